@@ -1,0 +1,110 @@
+"""Every knob, one dataclass per layer, with defaults and validation.
+
+Names follow DESIGN.md ("Scheduling: what the seeds ask for, by name").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+ADMISSION_MODES = ("guaranteed", "peak", "optimistic")
+PREEMPTION_MODES = ("recompute", "swap")
+POLICIES = ("fcfs", "lof", "random", "lpm", "dfs-weight", "priority", "vtc")
+VICTIMS = ("last", "fewest-output", "lowest-priority")
+
+
+class ConfigError(ValueError):
+    """A knob has a value that cannot work; the message says which and why."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_total_tokens: int = 65536        # KV capacity in tokens (the engine sets it from the pool it built)
+    max_batch_size: int = 256            # requests running at once
+    max_num_tokens: int = 2048           # tokens computed in one step; longer prompts are chunked
+    max_concurrency: int = 1024          # requests in the system (running + waiting); beyond -> 429
+    max_queue: int = 4096                # requests waiting; beyond -> 429
+    page_size: int = 1                   # KV allocation granularity in tokens (1 = token granularity)
+    admission: str = "optimistic"
+    preemption: str = "recompute"
+    victim: str = "last"                 # who is preempted first: last admitted (vLLM), fewest-output (SGLang), lowest-priority
+    policy: str = "fcfs"
+    prefix_cache: bool = True
+    # prefill/decode interleave: prefill-first by default; at most this many
+    # consecutive steps may run prefill chunks while decodes wait (0 = unbounded).
+    max_consecutive_prefill: int = 8
+    # decode-first mode (LightLLM): run decodes, and admit new prefills every N steps (0 = off).
+    decode_first_prefill_every: int = 0
+    # optimistic admission: SGLang's new_token_ratio reserve for growth
+    new_token_ratio_init: float = 0.7
+    new_token_ratio_min: float = 0.1
+    new_token_ratio_decay_steps: int = 600
+    reserve_cap_tokens: int = 4096       # per-request cap on the growth reserve
+    # aging: a request that has waited this many scheduler steps is served first under any policy
+    aging_steps: int = 200
+    lpm_fcfs_threshold: int = 128        # lpm falls back to fcfs when more requests wait (SGLang)
+    lookahead: int = 8                   # waiting requests examined past a head that does not fit
+    vtc_input_weight: float = 1.0
+    vtc_output_weight: float = 2.0
+    seed: int = 0                        # for --policy random
+    # test switch: force a preemption of one running request every k steps (0 = off)
+    debug_preempt_every: int = 0
+
+    def validate(self) -> "SchedulerConfig":
+        if self.admission not in ADMISSION_MODES:
+            raise ConfigError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.victim not in VICTIMS:
+            raise ConfigError(f"victim must be one of {VICTIMS}, got {self.victim!r}")
+        for name in ("max_total_tokens", "max_batch_size", "max_num_tokens", "page_size",
+                     "max_concurrency", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_total_tokens % self.page_size:
+            raise ConfigError("max_total_tokens must be a multiple of page_size")
+        return self
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family model, read from GGUF metadata or config.json."""
+    architecture: str = "llama"
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False      # Qwen2 has q/k/v biases
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None                   # path to .gguf or a HF folder; None = the default SmolLM2
+    dtype: str = "bfloat16"
+    executor: str = "torch"                       # torch | sim
+    max_total_tokens: Optional[int] = None        # KV capacity; None = from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = 0.1         # of free memory after loading, on CPU a share of RAM
+    host_kv_tokens: int = 0                       # swap pool size; 0 = same as the device pool when preemption=swap
+    batch_invariant: bool = True
+    num_threads: Optional[int] = None
+    watchdog_timeout: float = 300.0
+    log_every_steps: int = 40                     # decode log line cadence
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    served_model_name: Optional[str] = None
