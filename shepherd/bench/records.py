@@ -35,3 +35,17 @@ class RequestRecord:
     @property
     def e2e(self) -> Optional[float]:
         return None if self.finish is None else self.finish - self.arrival
+
+
+@dataclass
+class TraceRequest:
+    """One request of a workload, as read from a trace or drawn synthetically
+    (sim/traces.py). `arrival` is seconds from the start of the trace."""
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    client: str = "default"
+    hash_ids: Optional[list[int]] = None      # Mooncake: one id per block; equal ids = equal prefix blocks
+    prefix_group: Optional[str] = None        # synthetic shared system prompt / session id
+    prompt_ids: Optional[list[int]] = None    # explicit token ids, when the workload builds them
+    priority: int = 0
