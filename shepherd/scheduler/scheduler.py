@@ -15,10 +15,59 @@ own (`now` is passed in), no I/O except logging.
                                               # or finished (errors too)
     sched.has_work                 # anything waiting, running or swapped
     sched.stats()                  # -> SchedulerStats
+
+ADDED (beyond the stub):
+
+    sched.check_integrity()        # raises AssertionError if KV bookkeeping is off; when idle also
+                                   # checks free + evictable == capacity and no locked cache node
+    sched.decode_horizon(now) -> int
+        k >= 0 such that, if nothing arrives or is aborted and no request stops
+        early (EOS / stop id / stop string), the next k schedule() calls would
+        each return the same decode-only batch (only positions advance): no
+        admission or swap-in possible, no max_tokens/max_model_len finish, no
+        allocation that needs eviction or preemption, no forced (debug)
+        preemption, no aging/policy change that could alter the batch. 0 when
+        the next step is anything else. Conservative: it may return less than
+        the true value, never more.
+    sched.fast_forward(k, tokens, now) -> list[RequestOutput]
+        Apply k such steps at once (k <= decode_horizon(now)): tokens maps
+        every running req_id to the k tokens it sampled. Same effect on state
+        as k schedule()/on_step() pairs (KV slots, step counter, counters,
+        new_token_ratio decay, VTC charges, stats), and one RequestOutput per
+        request carrying its k tokens. Raises ValueError if k exceeds the
+        horizon or a token would stop a request (then step normally).
+    sched.running / sched.waiting / sched.swapped  # read-only views (lists of Request)
+    sched.get(req_id) -> Request | None
+
+Step shape: a step is either a prefill step (chunks of admitted prompts, up to
+max_num_tokens tokens; decodes wait) or a decode step (one token for every
+running request that has its prompt computed). Prefill-first by default, at
+most max_consecutive_prefill prefill steps in a row while decodes wait;
+with decode_first_prefill_every=N, decode-first with a prefill step every N
+steps (LightLLM). A request is admitted only when its whole known sequence
+(prompt, plus generated tokens after a recompute) gets KV slots at once, so a
+chunked prefill never runs out of memory half-way.
 """
 from __future__ import annotations
 
+import logging
+import random as _random
+from collections import deque
 from dataclasses import dataclass
+from itertools import islice
+from typing import Optional
+
+from shepherd.config import SchedulerConfig
+from shepherd.engine.executor import ScheduledBatch, ScheduledSeq, StepResult, SwapOp
+from shepherd.request import FinishReason, Request, RequestOutput, RequestState
+from shepherd.scheduler.admission import AdmissionState
+from shepherd.scheduler.kv_pool import KVPool
+from shepherd.scheduler.policy import make_policy
+from shepherd.scheduler.radix_cache import RadixCache
+
+logger = logging.getLogger("shepherd.scheduler")
+
+RETRACT_DECODE_STEPS = 20   # SGLang's allowance when re-estimating new_token_ratio after a preemption
 
 
 class QueueFull(Exception):
@@ -52,3 +101,690 @@ class SchedulerStats:
     last_prefill_tokens: int = 0
     last_cached_tokens: int = 0
     last_decode_seqs: int = 0
+    # --- added by the scheduler helper ---
+    num_prefilling: int = 0           # running requests whose prompt is not fully computed
+    kv_peak_used: int = 0             # max kv_used seen at the end of any schedule()
+    kv_host_capacity: int = 0
+    kv_host_used: int = 0             # swap pool tokens in use
+    new_token_ratio: float = 0.0      # optimistic admission's current growth estimate
+    generated_tokens: int = 0         # total tokens sampled
+    prefill_tokens: int = 0           # total prompt tokens computed (cache hits excluded)
+    finished: int = 0                 # requests ended with stop/length
+    aborted: int = 0
+    errors: int = 0
+    swap_out_tokens: int = 0          # totals of the swap ops emitted
+    swap_in_tokens: int = 0
+    last_swap_out: int = 0
+    last_swap_in: int = 0
+    last_preemptions: int = 0         # preemptions made by the last schedule()
+
+
+class _Entry:
+    """Scheduler-private bookkeeping for one request."""
+    __slots__ = ("req", "seq", "enq_step", "admit_seq", "node", "cached_len", "limit", "final",
+                 "rand_key", "fresh", "host_tokens", "admitted_once", "stop_ids")
+
+    def __init__(self, req: Request, seq: int, step: int, limit: int, rand_key: float):
+        self.req = req
+        self.seq = seq
+        self.enq_step = step
+        self.admit_seq = 0
+        self.node = None
+        self.cached_len = 0
+        self.limit = limit                           # effective max output tokens
+        self.final = len(req.prompt_ids) + limit - 1  # positions that may ever need KV
+        self.rand_key = rand_key
+        self.fresh = False
+        self.host_tokens = 0
+        self.admitted_once = False
+        stop = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            stop.update(req.eos_token_ids)
+        self.stop_ids = frozenset(stop)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, host_kv_capacity: int = 0, max_model_len: int = 8192):
+        self.cfg = config.validate()
+        self.capacity = config.max_total_tokens
+        self.page_size = config.page_size
+        self.max_model_len = max_model_len
+        self.host_kv_capacity = max(0, int(host_kv_capacity))
+        self.pool = KVPool(self.capacity, self.page_size)
+        self.tree: Optional[RadixCache] = RadixCache(self.pool) if config.prefix_cache else None
+        self.policy = make_policy(config, self.tree)
+        self._rng = _random.Random(config.seed)
+
+        self._entries: dict[str, _Entry] = {}
+        self._waiting: deque[_Entry] = deque()
+        self._running: list[_Entry] = []
+        self._swapped: deque[_Entry] = deque()
+        self._released: list[str] = []
+        self._seq = 0
+        self._admit_seq = 0
+        self._step = 0
+        self._consec_prefill = 0
+        self._since_prefill = 0
+        self._host_used = 0
+        # new_token_ratio = max(min, base - delta * decode steps since base was set)
+        self._ratio_base = config.new_token_ratio_init
+        self._ratio_steps = 0
+        self._ratio_delta = ((config.new_token_ratio_init - config.new_token_ratio_min)
+                             / max(1, config.new_token_ratio_decay_steps))
+        self._stats = SchedulerStats(kv_capacity=self.capacity, kv_free=self.capacity,
+                                     kv_host_capacity=self.host_kv_capacity)
+        self._deferred_outputs: list[RequestOutput] = []   # terminal outputs made inside schedule()
+        self._pending_swap_in: list[SwapOp] = []
+
+    # ------------------------------------------------------------------ views
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._swapped)
+
+    @property
+    def running(self) -> list[Request]:
+        return [e.req for e in self._running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [e.req for e in self._waiting]
+
+    @property
+    def swapped(self) -> list[Request]:
+        return [e.req for e in self._swapped]
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    def get(self, req_id: str) -> Optional[Request]:
+        e = self._entries.get(req_id)
+        return e.req if e else None
+
+    @property
+    def new_token_ratio(self) -> float:
+        return max(self.cfg.new_token_ratio_min, self._ratio_base - self._ratio_delta * self._ratio_steps)
+
+    # ------------------------------------------------------------------ intake
+    def add(self, req: Request, now: float) -> None:
+        cfg = self.cfg
+        if req.req_id in self._entries:
+            raise RequestRejected(f"duplicate request id {req.req_id!r}")
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestRejected("empty prompt")
+        if req.params.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be >= 1, got {req.params.max_tokens}")
+        if n + 1 > self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {n} tokens; with one output token it exceeds max_model_len={self.max_model_len}")
+        if n + 1 > self.capacity:
+            raise RequestRejected(
+                f"prompt has {n} tokens; with one output token it exceeds the KV capacity of {self.capacity} tokens")
+        limit = min(req.params.max_tokens, self.max_model_len - n)
+        if cfg.admission != "optimistic":
+            need = n + limit - 1
+            need_pages = -(-need // self.page_size)
+            if need_pages > self.pool.num_pages:
+                raise RequestRejected(
+                    f"prompt ({n}) + max_tokens ({limit}) needs {need} KV tokens, more than the capacity "
+                    f"of {self.capacity}; admission={cfg.admission} reserves the whole output "
+                    f"(lower max_tokens or use admission=optimistic)")
+        if len(self._waiting) >= cfg.max_queue:
+            raise QueueFull(f"waiting queue is full ({cfg.max_queue} requests)")
+        if len(self._entries) >= cfg.max_concurrency:
+            raise QueueFull(f"too many requests in flight ({cfg.max_concurrency})")
+        req.state = RequestState.WAITING
+        req.num_computed = 0
+        req.slots = []
+        self._seq += 1
+        e = _Entry(req, self._seq, self._step, limit, self._rng.random())
+        self._entries[req.req_id] = e
+        self._waiting.append(e)
+        self.policy.on_add(e, self._waiting)
+
+    # ------------------------------------------------------------------ endings
+    def abort(self, req_id: str, now: float) -> Optional[RequestOutput]:
+        e = self._entries.get(req_id)
+        if e is None:
+            return None
+        return self._end(e, FinishReason.ABORT, now)
+
+    def finish(self, req_id: str, reason: FinishReason, now: float) -> Optional[RequestOutput]:
+        e = self._entries.get(req_id)
+        if e is None:
+            return None
+        return self._end(e, reason, now)
+
+    def _end(self, e: _Entry, reason: FinishReason, now: float, error: Optional[str] = None,
+             new_tokens: Optional[list[int]] = None, logprobs=None) -> RequestOutput:
+        req = e.req
+        st = req.state
+        if st is RequestState.RUNNING:
+            self._running.remove(e)
+            self._release_kv(e)
+        elif st is RequestState.WAITING:
+            self._waiting.remove(e)
+            self.policy.on_leave_queue(e, self._waiting)
+        elif st is RequestState.SWAPPED:
+            self._swapped.remove(e)
+            self._host_used -= e.host_tokens
+            e.host_tokens = 0
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        req.finished_at = now
+        req.error = error
+        del self._entries[req.req_id]
+        self._released.append(req.req_id)
+        s = self._stats
+        if reason is FinishReason.ABORT:
+            s.aborted += 1
+        elif reason is FinishReason.ERROR:
+            s.errors += 1
+        else:
+            s.finished += 1
+        if not self._entries:
+            self._reset_ratio(self.cfg.new_token_ratio_init)
+        return RequestOutput(req.req_id, new_token_ids=new_tokens or [], logprobs=logprobs or [],
+                             finished=True, finish_reason=reason, error=error)
+
+    # ------------------------------------------------------------------ KV helpers
+    def _own_pages(self, e: _Entry) -> list[int]:
+        return self.pool.pages_of(e.req.slots, e.cached_len)
+
+    def _alloc(self, npages: int) -> Optional[list[int]]:
+        pool = self.pool
+        if npages > pool.free_pages and self.tree is not None:
+            self.tree.evict((npages - pool.free_pages) * self.page_size)
+        return pool.alloc(npages)
+
+    def _available_pages(self) -> int:
+        ev = self.tree.evictable_size // self.page_size if self.tree is not None else 0
+        return self.pool.free_pages + ev
+
+    def _release_kv(self, e: _Entry, cache: bool = True) -> None:
+        """Give back a request's device KV: computed full pages go into the prefix
+        cache (when on), duplicates and the rest to the free list."""
+        req = e.req
+        pool = self.pool
+        slots = req.slots
+        if self.tree is not None and cache:
+            p = self.page_size
+            n = min(req.num_computed, len(slots))
+            n -= n % p
+            if n > e.cached_len:
+                existing = self.tree.insert(req.all_ids[:n], slots[:n])
+                if existing > e.cached_len:
+                    pool.free(pool.pages_of(slots, e.cached_len, existing))
+                pool.free(pool.pages_of(slots, n))
+            else:
+                pool.free(pool.pages_of(slots, e.cached_len))
+        else:
+            pool.free(pool.pages_of(slots, e.cached_len))
+        if e.node is not None:
+            self.tree.dec_lock_ref(e.node)
+            e.node = None
+        e.cached_len = 0
+        req.slots = []
+
+    def _reset_ratio(self, base: float) -> None:
+        self._ratio_base = base
+        self._ratio_steps = 0
+
+    # ------------------------------------------------------------------ preemption
+    def _pick_victim(self, exclude: Optional[_Entry] = None, below_priority: Optional[int] = None,
+                     busy: Optional[set] = None):
+        cands = self._running
+        if below_priority is not None:
+            cands = [e for e in cands if e.req.priority < below_priority
+                     and not (busy and e.req.req_id in busy)]
+        if exclude is not None:
+            cands = [e for e in cands if e is not exclude]
+        if not cands:
+            return None
+        v = self.cfg.victim
+        if below_priority is not None or v == "lowest-priority":
+            return min(cands, key=lambda e: (e.req.priority, -e.admit_seq))
+        if v == "fewest-output":
+            return min(cands, key=lambda e: (len(e.req.output_ids), -len(e.req.prompt_ids), -e.admit_seq))
+        return max(cands, key=lambda e: e.admit_seq)
+
+    def _preempt(self, e: _Entry, batch: ScheduledBatch, why: str) -> None:
+        req = e.req
+        tokens = req.num_computed
+        self._running.remove(e)
+        s = self._stats
+        mode = "recompute"
+        if (self.cfg.preemption == "swap" and tokens > 0
+                and self._host_used + tokens <= self.host_kv_capacity):
+            mode = "swap"
+            batch.swap_out.append(SwapOp(req.req_id, req.slots[:tokens]))
+            self._host_used += tokens
+            e.host_tokens = tokens
+            s.swap_out_tokens += tokens
+            s.last_swap_out += tokens
+            self._release_kv(e, cache=False)
+            req.state = RequestState.SWAPPED
+            self._swapped.append(e)
+        else:
+            self._release_kv(e, cache=True)
+            req.num_computed = 0
+            req.state = RequestState.WAITING
+            self._waiting.appendleft(e)
+            self.policy.on_add(e, self._waiting)
+            self._released.append(req.req_id)
+        req.preemptions += 1
+        s.preemptions += 1
+        s.last_preemptions += 1
+        s.preempted_tokens += tokens
+        logger.info("preempt %s (%s, %s): %d KV tokens %s, %d output tokens so far, running=%d",
+                    req.req_id, why, mode, tokens, "moved to host" if mode == "swap" else "thrown away",
+                    len(req.output_ids), len(self._running))
+        # SGLang: re-estimate the growth ratio from what the survivors actually produced
+        if self.cfg.admission == "optimistic":
+            run = self._running
+            tot = sum(x.limit for x in run)
+            if tot:
+                obs = (sum(len(x.req.output_ids) for x in run) + RETRACT_DECODE_STEPS * len(run)) / tot
+                self._reset_ratio(min(1.0, max(self.new_token_ratio, obs)))
+
+    # ------------------------------------------------------------------ admission
+    def _pairs(self) -> list[tuple[int, int]]:
+        p = self.page_size
+        s = p - 1
+        out = []
+        for e in self._running:
+            req = e.req
+            own = (-(-(len(req.slots) - e.cached_len) // p)) * p
+            b = e.final - len(req.slots)
+            out.append((own, b + s if b > 0 else 0))
+        return out
+
+    def _admission_state(self) -> AdmissionState:
+        free = self._available_pages() * self.page_size
+        return AdmissionState(self.cfg.admission, self._pairs(), free,
+                              self.new_token_ratio, self.cfg.reserve_cap_tokens)
+
+    def _candidate_need(self, e: _Entry, touch: bool):
+        """(hit slots, node, own tokens, growth b, locked-from-free) for admitting e now."""
+        req = e.req
+        ids = req.all_ids
+        hit_slots: list[int] = []
+        node = None
+        locked = 0
+        if self.tree is not None:
+            self._stats.prefix_query_tokens += len(ids) if touch else 0
+            hit_slots, node = self.tree.match_prefix(ids[:-1], touch=touch)
+            locked = self.tree.unlocked_len(node)
+        hit = len(hit_slots)
+        p = self.page_size
+        own = self.pool.pages_needed(hit, len(ids) - hit) * p
+        b = e.final - len(ids)
+        b = b + p - 1 if b > 0 else 0
+        return ids, hit_slots, node, own, b, locked
+
+    def _admit(self, e: _Entry, adm: AdmissionState, now: float, resume_swap: bool = False) -> bool:
+        req = e.req
+        p = self.page_size
+        if resume_swap:
+            ids = req.all_ids
+            own = self.pool.pages_needed(0, len(ids)) * p
+            b = e.final - len(ids)
+            b = b + p - 1 if b > 0 else 0
+            if not adm.fits(own, b, 0):
+                return False
+            pages = self._alloc(own // p)
+            assert pages is not None, "admission promised pages"
+            req.slots = []
+            self.pool.extend(req.slots, len(ids), pages)
+            n = req.num_computed
+            self._pending_swap_in.append(SwapOp(req.req_id, req.slots[:n]))
+            self._host_used -= e.host_tokens
+            self._stats.swap_in_tokens += e.host_tokens
+            self._stats.last_swap_in += e.host_tokens
+            e.host_tokens = 0
+            adm.add(own, b, 0)
+        else:
+            ids, hit_slots, node, own, b, locked = self._candidate_need(e, touch=True)
+            if not adm.fits(own, b, locked):
+                self._stats.prefix_query_tokens -= len(ids) if self.tree is not None else 0
+                return False
+            hit = len(hit_slots)
+            if node is not None and hit:
+                self.tree.inc_lock_ref(node)
+                e.node = node
+            e.cached_len = hit
+            req.slots = list(hit_slots)
+            pages = self._alloc(own // p)
+            assert pages is not None, "admission promised pages"
+            self.pool.extend(req.slots, len(ids) - hit, pages)
+            req.num_computed = hit
+            if not e.admitted_once:
+                req.num_cached = hit
+            self._stats.prefix_hit_tokens += hit
+            self._stats.last_cached_tokens += hit
+            adm.add(own, b, locked)
+            self.policy.on_leave_queue(e, self._waiting)
+            self.policy.on_admit(e, not e.admitted_once)
+        e.fresh = True
+        req.state = RequestState.RUNNING
+        if req.admitted_at is None:
+            req.admitted_at = now
+        e.admitted_once = True
+        self._admit_seq += 1
+        e.admit_seq = self._admit_seq
+        self._running.append(e)
+        return True
+
+    def _try_swap_in(self, now: float) -> None:
+        if not self._swapped:
+            return
+        adm = self._admission_state()
+        top = None
+        if self.cfg.policy == "priority" and self._waiting:
+            top = max(e.req.priority for e in self._waiting)
+        while self._swapped and len(self._running) < self.cfg.max_batch_size:
+            e = self._swapped[0]
+            if top is not None and e.req.priority < top:
+                break        # a higher-priority request waits: do not swap a lower one back in first
+            if not self._admit(e, adm, now, resume_swap=True):
+                break
+            self._swapped.popleft()
+
+    def _admit_waiting(self, adm: AdmissionState, budget: int, now: float, batch: ScheduledBatch) -> int:
+        """Admit waiting requests in policy order; returns tokens scheduled."""
+        cfg = self.cfg
+        used = 0
+        if not self._waiting:
+            return 0
+        floor = None
+        if self._swapped:
+            if cfg.policy != "priority":
+                return 0     # swapped requests come back first
+            floor = max(e.req.priority for e in self._swapped)
+        room = cfg.max_batch_size - len(self._running)
+        # snapshot: preemption may requeue victims while we iterate
+        order = list(islice(self.policy.order(self._waiting, self._step), max(room, 1) + cfg.lookahead + 1))
+        admitted: list[_Entry] = []
+        skipped = 0
+        aging = cfg.aging_steps
+        for e in order:
+            if budget - used <= 0:
+                break
+            if floor is not None and e.req.priority <= floor:
+                continue     # not above every swapped request: those come back first
+            blocked_by = None
+            if len(self._running) >= cfg.max_batch_size:
+                blocked_by = "batch"
+            elif not self._admit(e, adm, now):
+                blocked_by = "kv"
+            if blocked_by is not None and cfg.policy == "priority" and cfg.admission == "optimistic":
+                if self._priority_preempt(e, blocked_by, batch):
+                    adm = self._admission_state()
+                    if len(self._running) < cfg.max_batch_size and self._admit(e, adm, now):
+                        blocked_by = None
+            if blocked_by == "batch":
+                break
+            if blocked_by == "kv":
+                if self._step - e.enq_step >= aging:
+                    break            # an aged head is not overtaken
+                skipped += 1
+                if skipped > cfg.lookahead:
+                    break
+                continue
+            admitted.append(e)
+            used += self._emit_prefill(e, budget - used, batch)
+        if admitted:
+            ids = set(map(id, admitted))
+            self._waiting = deque(x for x in self._waiting if id(x) not in ids)
+        return used
+
+    def _priority_preempt(self, cand: _Entry, blocked_by: str, batch: ScheduledBatch) -> bool:
+        """Preempt lower-priority running requests so that cand fits; only if it will."""
+        prio = cand.req.priority
+        # already given work (or swapped in) this step: not victims
+        busy = {sq.req_id for sq in batch.seqs} | {op.req_id for op in self._pending_swap_in}
+        lower = [e for e in self._running if e.req.priority < prio and e.req.req_id not in busy]
+        if not lower:
+            return False
+        if blocked_by == "batch" and len(self._running) - len(lower) >= self.cfg.max_batch_size:
+            return False
+        # would cand fit with all of them gone?
+        keep = [e for e in self._running if not (e.req.priority < prio and e.req.req_id not in busy)]
+        p = self.page_size
+        freed = sum(len(self._own_pages(e)) for e in lower) * p
+        saved = self._running
+        self._running = keep
+        try:
+            adm = self._admission_state()
+        finally:
+            self._running = saved
+        adm.free += freed
+        ids, hit_slots, node, own, b, locked = self._candidate_need(cand, touch=False)
+        if not adm.fits(own, b, locked):
+            return False
+        while True:
+            v = self._pick_victim(below_priority=prio, busy=busy)
+            if v is None:
+                return True
+            self._preempt(v, batch, f"priority {prio} > {v.req.priority}")
+            if blocked_by == "batch" and len(self._running) >= self.cfg.max_batch_size:
+                continue
+            if self._admission_state().fits(*self._candidate_need(cand, touch=False)[3:]):
+                return True
+
+    # ------------------------------------------------------------------ batch building
+    def _emit_prefill(self, e: _Entry, budget: int, batch: ScheduledBatch) -> int:
+        req = e.req
+        nc = req.num_computed
+        total = req.num_tokens
+        chunk = min(budget, total - nc)
+        if chunk <= 0:
+            return 0
+        ids = req.prompt_ids[nc:nc + chunk] if nc + chunk <= len(req.prompt_ids) else req.all_ids[nc:nc + chunk]
+        batch.seqs.append(ScheduledSeq(req, ids, nc, sample=(nc + chunk == total), fresh=e.fresh))
+        e.fresh = False
+        s = self._stats
+        s.last_prefill_seqs += 1
+        s.last_prefill_tokens += chunk
+        s.prefill_tokens += chunk
+        return chunk
+
+    def _in_prefill(self, e: _Entry) -> bool:
+        r = e.req
+        return r.num_computed < r.num_tokens - 1
+
+    def schedule(self, now: float) -> ScheduledBatch:
+        cfg = self.cfg
+        self._step += 1
+        step = self._step
+        s = self._stats
+        s.last_prefill_seqs = s.last_prefill_tokens = s.last_cached_tokens = s.last_decode_seqs = 0
+        s.last_swap_in = s.last_swap_out = s.last_preemptions = 0
+        batch = ScheduledBatch(step=step)
+        self._pending_swap_in: list[SwapOp] = []
+
+        # fault injection
+        k = cfg.debug_preempt_every
+        if k and step % k == 0 and self._running:
+            v = self._pick_victim()
+            self._preempt(v, batch, f"debug_preempt_every={k}")
+
+        # swapped requests come back before anything new is admitted
+        self._try_swap_in(now)
+
+        has_decode = any(not self._in_prefill(e) for e in self._running)
+        N = cfg.decode_first_prefill_every
+        if N > 0:
+            prefill_ok = (not has_decode) or self._since_prefill >= N
+        else:
+            m = cfg.max_consecutive_prefill
+            prefill_ok = (not has_decode) or m == 0 or self._consec_prefill < m
+
+        if prefill_ok:
+            budget = cfg.max_num_tokens
+            used = 0
+            for e in self._running:
+                if used >= budget:
+                    break
+                if self._in_prefill(e):
+                    used += self._emit_prefill(e, budget - used, batch)
+            may_preempt_for_slot = cfg.policy == "priority" and cfg.admission == "optimistic"
+            if used < budget and self._waiting and (len(self._running) < cfg.max_batch_size
+                                                     or may_preempt_for_slot):
+                used += self._admit_waiting(self._admission_state(), budget - used, now, batch)
+            if batch.seqs:
+                self._consec_prefill += 1
+                self._since_prefill = 0
+                return self._finish_batch(batch)
+
+        # decode step
+        self._consec_prefill = 0
+        self._since_prefill += 1
+        self._build_decode(batch, now)
+        if batch.seqs:
+            self._ratio_steps += 1
+        return self._finish_batch(batch)
+
+    def _build_decode(self, batch: ScheduledBatch, now: float) -> None:
+        pool = self.pool
+        dec = [e for e in self._running if not self._in_prefill(e)]
+        if len(dec) > self.cfg.max_num_tokens:
+            dec = dec[: self.cfg.max_num_tokens]
+        need = {}
+        total = 0
+        for e in dec:
+            r = e.req
+            n = pool.pages_needed(len(r.slots), r.num_computed + 1 - len(r.slots)) if len(r.slots) <= r.num_computed else 0
+            need[id(e)] = n
+            total += n
+        while total > self._available_pages():
+            # never preempt the last decoder for nothing: it is the one that must progress
+            exclude = dec[0] if len(dec) == 1 else None
+            v = self._pick_victim(exclude=exclude)
+            if v is None:
+                # alone and still no room: this request can never fit
+                e = dec[0]
+                msg = (f"request needs {e.req.num_computed + 1} KV tokens, more than the capacity "
+                       f"of {self.capacity} (prompt {len(e.req.prompt_ids)}, output {len(e.req.output_ids)})")
+                logger.warning("request %s: %s", e.req.req_id, msg)
+                self._deferred_outputs.append(self._end(e, FinishReason.ERROR, now, error=msg))
+                return
+            if self.cfg.admission != "optimistic":
+                logger.warning("admission=%s ran out of KV: preempting (this is a bug)", self.cfg.admission)
+            self._preempt(v, batch, "out of KV for decode")
+            if id(v) in need:
+                total -= need.pop(id(v))
+                dec = [x for x in dec if x is not v]
+        for e in dec:
+            r = e.req
+            n = need[id(e)]
+            target = r.num_computed + 1
+            if len(r.slots) < target:
+                pages = self._alloc(n)
+                assert pages is not None
+                pool.extend(r.slots, target - len(r.slots), pages)
+            nc = r.num_computed
+            np_ = len(r.prompt_ids)
+            tok = r.prompt_ids[nc] if nc < np_ else r.output_ids[nc - np_]
+            batch.seqs.append(ScheduledSeq(r, [tok], nc, sample=True, fresh=e.fresh))
+            e.fresh = False
+        self._stats.last_decode_seqs = len(dec)
+
+    def _finish_batch(self, batch: ScheduledBatch) -> ScheduledBatch:
+        batch.swap_in = self._pending_swap_in
+        self._pending_swap_in = []
+        batch.released = self._released
+        self._released = []
+        used = self.capacity - self.pool.free_tokens - (self.tree.evictable_size if self.tree else 0)
+        if used > self._stats.kv_peak_used:
+            self._stats.kv_peak_used = used
+        return batch
+
+    # ------------------------------------------------------------------ results
+    def on_step(self, batch: ScheduledBatch, result: StepResult, now: float) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        if self._deferred_outputs:
+            outs.extend(self._deferred_outputs)
+            self._deferred_outputs = []
+        tokens = result.tokens
+        s = self._stats
+        for seq in batch.seqs:
+            req = seq.req
+            e = self._entries.get(req.req_id)
+            if e is None or e.req is not req or req.state is not RequestState.RUNNING:
+                continue   # aborted or finished meanwhile
+            req.num_computed = seq.start_pos + len(seq.token_ids)
+            if not seq.sample:
+                continue
+            tok = tokens.get(req.req_id)
+            if tok is None:
+                outs.append(self._end(e, FinishReason.ERROR, now, error="executor returned no token"))
+                continue
+            req.output_ids.append(tok)
+            s.generated_tokens += 1
+            self.policy.on_tokens(e, 1)
+            if req.first_token_at is None:
+                req.first_token_at = now
+            lp = result.logprobs.get(req.req_id) if result.logprobs else None
+            lps = [lp] if lp is not None else []
+            reason = None
+            if tok in e.stop_ids:
+                reason = FinishReason.STOP
+            elif len(req.output_ids) >= e.limit:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                outs.append(self._end(e, reason, now, new_tokens=[tok], logprobs=lps))
+            else:
+                outs.append(RequestOutput(req.req_id, new_token_ids=[tok], logprobs=lps))
+        return outs
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> SchedulerStats:
+        s = self._stats
+        s.step = self._step
+        s.num_running = len(self._running)
+        s.num_waiting = len(self._waiting)
+        s.num_swapped = len(self._swapped)
+        s.kv_free = self.pool.free_tokens
+        s.kv_evictable = self.tree.evictable_size if self.tree is not None else 0
+        s.kv_used = self.capacity - s.kv_free - s.kv_evictable
+        s.kv_host_used = self._host_used
+        s.new_token_ratio = self.new_token_ratio
+        s.num_prefilling = sum(1 for e in self._running if self._in_prefill(e))
+        return SchedulerStats(**s.__dict__)
+
+    def check_integrity(self) -> None:
+        pool = self.pool
+        free = pool._free
+        seen: dict[int, str] = {}
+        for pg in free:
+            assert pg not in seen, f"page {pg} twice in the free list"
+            seen[pg] = "free"
+        if self.tree is not None:
+            self.tree.check()
+            for pg in self.tree.all_pages():
+                assert pg not in seen, f"cache page {pg} also {seen[pg]}"
+                seen[pg] = "cache"
+        for e in self._running:
+            r = e.req
+            assert r.state is RequestState.RUNNING
+            assert len(r.slots) >= r.num_computed, (r.req_id, len(r.slots), r.num_computed)
+            assert e.cached_len % self.page_size == 0
+            assert len(r.slots) <= r.num_tokens, (r.req_id, len(r.slots), r.num_tokens)
+            for pg in self._own_pages(e):
+                assert pg not in seen, f"page {pg} of {r.req_id} also {seen[pg]}"
+                seen[pg] = r.req_id
+        assert len(seen) == pool.num_pages, f"{pool.num_pages - len(seen)} pages leaked"
+        for e in self._waiting:
+            assert e.req.state is RequestState.WAITING and not e.req.slots and e.node is None
+        for e in self._swapped:
+            assert e.req.state is RequestState.SWAPPED and not e.req.slots and e.host_tokens > 0
+        assert self._host_used == sum(e.host_tokens for e in self._swapped)
+        assert self._host_used <= self.host_kv_capacity
+        assert len(self._entries) == len(self._running) + len(self._waiting) + len(self._swapped)
+        if not self._running:
+            ev = self.tree.evictable_size if self.tree is not None else 0
+            prot = self.tree.protected_size if self.tree is not None else 0
+            assert prot == 0, f"{prot} cache tokens still locked while idle"
+            assert pool.free_tokens + ev == self.capacity, (pool.free_tokens, ev, self.capacity)

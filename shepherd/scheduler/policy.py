@@ -1,0 +1,222 @@
+"""Queue orderings: which waiting request is considered for admission first.
+
+fcfs        arrival order (preempted requests go back to the front)
+lof         longest output first (largest max_tokens), SGLang
+random      a seeded random key drawn once per request (no per-step RNG use)
+lpm         longest prefix match against the radix cache first; plain fcfs
+            when more than lpm_fcfs_threshold requests wait (SGLang)
+dfs-weight  depth-first over the radix tree, heavier subtrees (more waiting
+            requests below them) first (SGLang)
+priority    higher Request.priority first, then arrival; under optimistic
+            admission a higher-priority request also preempts lower ones
+            (see Scheduler)
+vtc         Virtual Token Counter (Sheng et al., OSDI'24): one counter per
+            client (Request.client); admission charges w_in * prompt tokens,
+            every generated token w_out; the client with the smallest counter
+            is served first; a client that becomes backlogged again is lifted
+            to the smallest counter among backlogged clients. The charge is
+            made once per token (the finishing step is not charged twice).
+
+Aging: under every policy but fcfs, a request that has waited aging_steps
+scheduler steps comes first (in arrival order), so nothing waits forever.
+Under every policy, an aged request that does not fit also stops the
+look-ahead past it, so it is not overtaken forever by smaller ones.
+
+Ordering is computed only when an admission is attempted, and fcfs never
+sorts: the queue is a deque kept in order.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from typing import Iterable, Iterator
+
+
+class Policy:
+    name = "fcfs"
+    needs_sort = False        # order() sorts the queue (non-fcfs)
+    dynamic = False           # order can change while only decodes run (vtc)
+
+    def __init__(self, cfg, tree=None):
+        self.cfg = cfg
+        self.tree = tree
+
+    # hooks (no-ops by default)
+    def on_add(self, e, waiting) -> None: ...
+    def on_leave_queue(self, e, waiting) -> None: ...
+    def on_admit(self, e, first: bool) -> None: ...
+    def on_tokens(self, e, n: int) -> None: ...
+
+    def order(self, waiting, step: int) -> Iterable:
+        return waiting
+
+    # helpers
+    def _aged_split(self, waiting, step: int):
+        lim = self.cfg.aging_steps
+        aged, rest = [], []
+        for e in waiting:
+            (aged if step - e.enq_step >= lim else rest).append(e)
+        return aged, rest
+
+
+class FCFS(Policy):
+    name = "fcfs"
+
+
+class _Sorted(Policy):
+    needs_sort = True
+
+    def key(self, e):
+        raise NotImplementedError
+
+    def order(self, waiting, step):
+        aged, rest = self._aged_split(waiting, step)
+        rest.sort(key=self.key)
+        return aged + rest
+
+
+class LOF(_Sorted):
+    name = "lof"
+
+    def key(self, e):
+        return (-e.limit, e.seq)
+
+
+class Random(_Sorted):
+    name = "random"
+
+    def key(self, e):
+        return e.rand_key
+
+
+class PriorityPolicy(_Sorted):
+    name = "priority"
+
+    def key(self, e):
+        return (-e.req.priority, e.seq)
+
+
+class LPM(_Sorted):
+    name = "lpm"
+
+    def order(self, waiting, step):
+        if len(waiting) > self.cfg.lpm_fcfs_threshold or self.tree is None:
+            return waiting
+        return super().order(waiting, step)
+
+    def key(self, e):
+        return (-self.tree.match_len(e.req.all_ids[:-1]), e.seq)
+
+
+class DFSWeight(Policy):
+    name = "dfs-weight"
+    needs_sort = True
+
+    def order(self, waiting, step):
+        aged, rest = self._aged_split(waiting, step)
+        if self.tree is None or not rest:
+            return aged + rest
+        tree = self.tree
+        at_node = defaultdict(list)
+        weight = defaultdict(int)
+        for e in rest:
+            node = _deepest_node(tree, e.req.all_ids[:-1])
+            at_node[node.id].append(e)
+            while node is not None:
+                weight[node.id] += 1
+                node = node.parent
+        out = list(aged)
+        stack = [tree.root]
+        while stack:
+            nd = stack.pop()
+            out.extend(sorted(at_node.get(nd.id, ()), key=lambda e: e.seq))
+            kids = [c for c in nd.children.values() if weight.get(c.id)]
+            kids.sort(key=lambda c: (weight[c.id], -c.id))   # push lightest first: heaviest popped first
+            stack.extend(kids)
+        return out
+
+
+def _deepest_node(tree, ids):
+    """Deepest node whose whole key path is a prefix of ids (no split, no touch)."""
+    from shepherd.scheduler.radix_cache import _common_len
+    p = tree.page_size
+    node = tree.root
+    i = 0
+    n = len(ids) - len(ids) % p
+    while i < n:
+        child = node.children.get(tree._child_key(ids, i))
+        if child is None:
+            break
+        m = _common_len(child.key, ids, i)
+        if m < len(child.key):
+            break
+        i += m
+        node = child
+    return node
+
+
+class VTC(Policy):
+    name = "vtc"
+    needs_sort = True
+    dynamic = True
+
+    def __init__(self, cfg, tree=None):
+        super().__init__(cfg, tree)
+        self.counter: dict[str, float] = defaultdict(float)
+        self.backlog: dict[str, int] = defaultdict(int)   # waiting requests per client
+        self.last_left = 0.0
+
+    def on_add(self, e, waiting):
+        c = e.req.client
+        if self.backlog[c] == 0:
+            backlogged = [self.counter[k] for k, n in self.backlog.items() if n > 0]
+            lift = min(backlogged) if backlogged else self.last_left
+            if self.counter[c] < lift:
+                self.counter[c] = lift
+        self.backlog[c] += 1
+
+    def on_leave_queue(self, e, waiting):
+        c = e.req.client
+        self.backlog[c] -= 1
+        if self.backlog[c] == 0:
+            self.last_left = self.counter[c]
+
+    def on_admit(self, e, first):
+        if first:
+            self.counter[e.req.client] += self.cfg.vtc_input_weight * len(e.req.prompt_ids)
+
+    def on_tokens(self, e, n):
+        self.counter[e.req.client] += self.cfg.vtc_output_weight * n
+
+    def order(self, waiting, step) -> Iterator:
+        aged, rest = self._aged_split(waiting, step)
+        yield from aged
+        if not rest:
+            return
+        per: dict[str, list] = defaultdict(list)
+        for e in rest:
+            per[e.req.client].append(e)
+        tmp = {c: self.counter[c] for c in per}
+        heap = [(tmp[c], min(x.seq for x in q[:1]), c) for c, q in per.items()]
+        heapq.heapify(heap)
+        idx = dict.fromkeys(per, 0)
+        while heap:
+            _, _, c = heapq.heappop(heap)
+            q = per[c]
+            e = q[idx[c]]
+            idx[c] += 1
+            yield e
+            if idx[c] < len(q):
+                # tentatively charge the prompt so one client does not take a whole round
+                tmp[c] += self.cfg.vtc_input_weight * len(e.req.prompt_ids)
+                heapq.heappush(heap, (tmp[c], q[idx[c]].seq, c))
+
+
+POLICY_CLASSES = {
+    "fcfs": FCFS, "lof": LOF, "random": Random, "lpm": LPM,
+    "dfs-weight": DFSWeight, "priority": PriorityPolicy, "vtc": VTC,
+}
+
+
+def make_policy(cfg, tree=None) -> Policy:
+    return POLICY_CLASSES[cfg.policy](cfg, tree)

@@ -1,0 +1,263 @@
+"""Prefix cache: a radix tree over token ids whose nodes own KV slots.
+
+SGLang's RadixAttention, reduced to what the scheduler needs:
+
+- every node holds a run of token ids (`key`) and the device slots that hold
+  their K/V (`value`, same length); with page_size > 1 every key length is a
+  multiple of the page size and matching is done page by page;
+- `lock_ref` counts the running requests that use a node (locking a node locks
+  its ancestors); locked tokens are "protected", unlocked ones "evictable";
+- `evict(n)` frees least-recently-used unlocked leaves, moving up to parents
+  that become leaves, until n tokens are freed;
+- `last_access` is a logical counter (no clock), so eviction is deterministic.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Optional
+
+from shepherd.scheduler.kv_pool import KVPool
+
+
+class Node:
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id")
+
+    def __init__(self, key: list[int], value: list[int], parent: Optional["Node"], nid: int):
+        self.key = key
+        self.value = value
+        self.children: dict = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+        self.id = nid
+
+    def __lt__(self, other: "Node") -> bool:  # heap tie-break
+        return (self.last_access, self.id) < (other.last_access, other.id)
+
+
+def _common_len(key: list[int], ids: list[int], start: int) -> int:
+    """Length of the common prefix of key and ids[start:], using C-speed slice compares."""
+    n = min(len(key), len(ids) - start)
+    if n <= 0:
+        return 0
+    if key[:n] == ids[start:start + n]:
+        return n
+    lo, hi = 0, n  # key[:lo] matches, key[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if key[:mid] == ids[start:start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class RadixCache:
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self._ids = 0
+        self._clock = 0
+        self.root = Node([], [], None, self._next_id())
+        self.root.lock_ref = 1  # never evicted
+        self.evictable_size = 0   # tokens in unlocked nodes
+        self.protected_size = 0   # tokens in locked nodes
+
+    def _next_id(self) -> int:
+        self._ids += 1
+        return self._ids
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, ids: list[int], i: int):
+        p = self.page_size
+        return ids[i] if p == 1 else tuple(ids[i:i + p])
+
+    # ---- lookup --------------------------------------------------------------
+    def match_prefix(self, ids: list[int], touch: bool = True) -> tuple[list[int], Node]:
+        """Longest cached prefix of ids (page-aligned): (its slots, last node).
+        Splits a node when the match ends inside it."""
+        p = self.page_size
+        n = len(ids) - len(ids) % p
+        node = self.root
+        out: list[int] = []
+        i = 0
+        t = self._tick() if touch else 0
+        while i < n:
+            child = node.children.get(self._child_key(ids, i))
+            if child is None:
+                break
+            m = _common_len(child.key, ids, i)
+            m = min(m, n - i)
+            m -= m % p
+            if m == 0:
+                break
+            if m < len(child.key):
+                child = self._split(child, m)
+            if touch:
+                child.last_access = t
+            out.extend(child.value)
+            i += m
+            node = child
+            if m < len(child.key):
+                break
+        return out, node
+
+    def match_len(self, ids: list[int]) -> int:
+        """Length of the cached prefix, without touching or splitting anything."""
+        p = self.page_size
+        n = len(ids) - len(ids) % p
+        node = self.root
+        i = 0
+        while i < n:
+            child = node.children.get(self._child_key(ids, i))
+            if child is None:
+                break
+            m = min(_common_len(child.key, ids, i), n - i)
+            m -= m % p
+            i += m
+            if m < len(child.key):
+                break
+            node = child
+        return i
+
+    def _split(self, child: Node, m: int) -> Node:
+        """Cut child after m tokens; returns the new upper node."""
+        parent = child.parent
+        new = Node(child.key[:m], child.value[:m], parent, self._next_id())
+        new.lock_ref = child.lock_ref
+        new.last_access = child.last_access
+        parent.children[self._child_key(child.key, 0)] = new
+        child.key = child.key[m:]
+        child.value = child.value[m:]
+        child.parent = new
+        new.children[self._child_key(child.key, 0)] = child
+        return new
+
+    # ---- insert --------------------------------------------------------------
+    def insert(self, ids: list[int], slots: list[int]) -> int:
+        """Insert ids[:n] -> slots[:n] (n page-aligned). Returns how many leading
+        tokens were already cached: the caller owns slots[:that] duplicates and
+        must free the ones it does not share with the tree."""
+        p = self.page_size
+        n = min(len(ids), len(slots))
+        n -= n % p
+        node = self.root
+        i = 0
+        t = self._tick()
+        while i < n:
+            child = node.children.get(self._child_key(ids, i))
+            if child is None:
+                break
+            m = min(_common_len(child.key, ids, i), n - i)
+            m -= m % p
+            if m == 0:
+                break
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = t
+            i += m
+            node = child
+        existing = i
+        if i < n:
+            leaf = Node(list(ids[i:n]), list(slots[i:n]), node, self._next_id())
+            leaf.last_access = t
+            node.children[self._child_key(ids, i)] = leaf
+            if node.lock_ref > 0 and node is not self.root:
+                # a child of a locked node starts unlocked
+                pass
+            self.evictable_size += n - i
+        return existing
+
+    # ---- locks ---------------------------------------------------------------
+    def inc_lock_ref(self, node: Node) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                k = len(node.key)
+                self.evictable_size -= k
+                self.protected_size += k
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: Node) -> None:
+        while node is not self.root:
+            if node.lock_ref == 1:
+                k = len(node.key)
+                self.evictable_size += k
+                self.protected_size -= k
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0
+            node = node.parent
+
+    def unlocked_len(self, node: Node) -> int:
+        """Tokens on the path root..node that are currently evictable."""
+        s = 0
+        while node is not self.root and node.lock_ref == 0:
+            s += len(node.key)
+            node = node.parent
+        return s
+
+    # ---- eviction ------------------------------------------------------------
+    def _leaves(self) -> list[Node]:
+        out = []
+        stack = [self.root]
+        while stack:
+            nd = stack.pop()
+            if nd.children:
+                stack.extend(nd.children.values())
+            elif nd is not self.root and nd.lock_ref == 0:
+                out.append(nd)
+        return out
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least num_tokens (if that many are evictable), LRU leaves first."""
+        if num_tokens <= 0 or self.evictable_size == 0:
+            return 0
+        heap = self._leaves()
+        heapq.heapify(heap)
+        freed = 0
+        pool = self.pool
+        while freed < num_tokens and heap:
+            nd = heapq.heappop(heap)
+            pool.free(pool.pages_of(nd.value))
+            k = len(nd.key)
+            freed += k
+            self.evictable_size -= k
+            parent = nd.parent
+            del parent.children[self._child_key(nd.key, 0)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    # ---- introspection ---------------------------------------------------------
+    def all_pages(self) -> list[int]:
+        out: list[int] = []
+        stack = list(self.root.children.values())
+        while stack:
+            nd = stack.pop()
+            out.extend(self.pool.pages_of(nd.value))
+            stack.extend(nd.children.values())
+        return out
+
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    def check(self) -> None:
+        """Recount evictable/protected from the tree and compare."""
+        ev = pr = 0
+        stack = list(self.root.children.values())
+        while stack:
+            nd = stack.pop()
+            assert len(nd.key) == len(nd.value) and len(nd.key) % self.page_size == 0 and nd.key
+            for ch in nd.children.values():
+                assert ch.parent is nd
+                assert nd.lock_ref >= ch.lock_ref
+            if nd.lock_ref > 0:
+                pr += len(nd.key)
+            else:
+                ev += len(nd.key)
+            stack.extend(nd.children.values())
+        assert ev == self.evictable_size, (ev, self.evictable_size)
+        assert pr == self.protected_size, (pr, self.protected_size)
