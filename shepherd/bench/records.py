@@ -49,3 +49,7 @@ class TraceRequest:
     prefix_group: Optional[str] = None        # synthetic shared system prompt / session id
     prompt_ids: Optional[list[int]] = None    # explicit token ids, when the workload builds them
     priority: int = 0
+    index: Optional[int] = None               # position in the workload (set by the readers); seeds unique tokens
+    prefix_tokens: int = 0                    # with prefix_group: how many leading tokens the group shares
+    session: Optional[str] = None             # synthetic multi-turn session id
+    turn: int = 0                             # turn number within the session

@@ -123,6 +123,30 @@ class RadixCache:
             node = child
         return i
 
+    def match_info(self, ids: list[int]) -> tuple[int, int]:
+        """(cached prefix length, how many of those tokens are unlocked now) without
+        touching or splitting anything: what admission checks use."""
+        p = self.page_size
+        n = len(ids) - len(ids) % p
+        node = self.root
+        i = 0
+        unlocked = 0
+        while i < n:
+            child = node.children.get(self._child_key(ids, i))
+            if child is None:
+                break
+            m = min(_common_len(child.key, ids, i), n - i)
+            m -= m % p
+            if m == 0:
+                break
+            if child.lock_ref == 0:
+                unlocked += m
+            i += m
+            if m < len(child.key):
+                break
+            node = child
+        return i, unlocked
+
     def _split(self, child: Node, m: int) -> Node:
         """Cut child after m tokens; returns the new upper node."""
         parent = child.parent

@@ -405,38 +405,38 @@ class Scheduler:
         return AdmissionState(self.cfg.admission, self._pairs(), free,
                               self.new_token_ratio, self.cfg.reserve_cap_tokens)
 
-    def _candidate_need(self, e: _Entry, touch: bool):
-        """(hit slots, node, own tokens, growth b, locked-from-free) for admitting e now."""
+    def _candidate_need(self, e: _Entry):
+        """(own tokens, growth b, locked-from-free) for admitting waiting e now.
+        No side effects: a failed attempt leaves the cache exactly as it was."""
         req = e.req
         ids = req.all_ids
-        hit_slots: list[int] = []
-        node = None
-        locked = 0
+        hit = locked = 0
         if self.tree is not None:
-            self._stats.prefix_query_tokens += len(ids) if touch else 0
-            hit_slots, node = self.tree.match_prefix(ids[:-1], touch=touch)
-            locked = self.tree.unlocked_len(node)
-        hit = len(hit_slots)
+            hit, locked = self.tree.match_info(ids[:-1])
         p = self.page_size
         own = self.pool.pages_needed(hit, len(ids) - hit) * p
         b = e.final - len(ids)
         b = b + p - 1 if b > 0 else 0
-        return ids, hit_slots, node, own, b, locked
+        return own, b, locked
+
+    def _swap_need(self, e: _Entry):
+        p = self.page_size
+        n = e.req.num_tokens
+        own = self.pool.pages_needed(0, n) * p
+        b = e.final - n
+        return own, (b + p - 1 if b > 0 else 0), 0
 
     def _admit(self, e: _Entry, adm: AdmissionState, now: float, resume_swap: bool = False) -> bool:
         req = e.req
         p = self.page_size
         if resume_swap:
-            ids = req.all_ids
-            own = self.pool.pages_needed(0, len(ids)) * p
-            b = e.final - len(ids)
-            b = b + p - 1 if b > 0 else 0
+            own, b, _ = self._swap_need(e)
             if not adm.fits(own, b, 0):
                 return False
             pages = self._alloc(own // p)
             assert pages is not None, "admission promised pages"
             req.slots = []
-            self.pool.extend(req.slots, len(ids), pages)
+            self.pool.extend(req.slots, req.num_tokens, pages)
             n = req.num_computed
             self._pending_swap_in.append(SwapOp(req.req_id, req.slots[:n]))
             self._host_used -= e.host_tokens
@@ -445,16 +445,23 @@ class Scheduler:
             e.host_tokens = 0
             adm.add(own, b, 0)
         else:
-            ids, hit_slots, node, own, b, locked = self._candidate_need(e, touch=True)
+            own, b, locked = self._candidate_need(e)
             if not adm.fits(own, b, locked):
-                self._stats.prefix_query_tokens -= len(ids) if self.tree is not None else 0
                 return False
-            hit = len(hit_slots)
-            if node is not None and hit:
-                self.tree.inc_lock_ref(node)
-                e.node = node
+            ids = req.all_ids
+            hit = 0
+            req.slots = []
+            if self.tree is not None:
+                hit_slots, node = self.tree.match_prefix(ids[:-1], touch=True)
+                hit = len(hit_slots)
+                if hit:
+                    self.tree.inc_lock_ref(node)
+                    e.node = node
+                req.slots = hit_slots
+                if own != self.pool.pages_needed(hit, len(ids) - hit) * p:
+                    raise AssertionError("match_prefix disagrees with match_info")
+                self._stats.prefix_query_tokens += len(ids)
             e.cached_len = hit
-            req.slots = list(hit_slots)
             pages = self._alloc(own // p)
             assert pages is not None, "admission promised pages"
             self.pool.extend(req.slots, len(ids) - hit, pages)
@@ -560,7 +567,7 @@ class Scheduler:
         finally:
             self._running = saved
         adm.free += freed
-        ids, hit_slots, node, own, b, locked = self._candidate_need(cand, touch=False)
+        own, b, locked = self._candidate_need(cand)
         if not adm.fits(own, b, locked):
             return False
         while True:
@@ -570,7 +577,7 @@ class Scheduler:
             self._preempt(v, batch, f"priority {prio} > {v.req.priority}")
             if blocked_by == "batch" and len(self._running) >= self.cfg.max_batch_size:
                 continue
-            if self._admission_state().fits(*self._candidate_need(cand, touch=False)[3:]):
+            if self._admission_state().fits(*self._candidate_need(cand)):
                 return True
 
     # ------------------------------------------------------------------ batch building
@@ -788,3 +795,269 @@ class Scheduler:
             prot = self.tree.protected_size if self.tree is not None else 0
             assert prot == 0, f"{prot} cache tokens still locked while idle"
             assert pool.free_tokens + ev == self.capacity, (pool.free_tokens, ev, self.capacity)
+
+    # ------------------------------------------------------------------ fast path (simulator)
+    HORIZON_SCAN = 32     # steps checked one by one when no closed form applies
+
+    def _horizon_positions(self, t: int) -> tuple[int, list[int]]:
+        """After t decode steps: (pages allocated in total, slot-list lengths)."""
+        pool = self.pool
+        total = 0
+        lens = []
+        for e in self._running:
+            r = e.req
+            L = len(r.slots)
+            newlen = max(L, r.num_computed + t)
+            total += pool.pages_needed(L, newlen - L)
+            lens.append(newlen)
+        return total, lens
+
+    def _adm_at(self, t: int) -> AdmissionState:
+        """The AdmissionState schedule() would build after t more decode steps."""
+        p = self.page_size
+        s = p - 1
+        allocated, lens = self._horizon_positions(t)
+        pairs = []
+        for e, L in zip(self._running, lens):
+            own = (-(-(L - e.cached_len) // p)) * p
+            b = e.final - L
+            pairs.append((own, b + s if b > 0 else 0))
+        free = (self._available_pages() - allocated) * p
+        ratio = max(self.cfg.new_token_ratio_min,
+                    self._ratio_base - self._ratio_delta * (self._ratio_steps + t))
+        return AdmissionState(self.cfg.admission, pairs, free, ratio, self.cfg.reserve_cap_tokens)
+
+    def decode_horizon(self, now: float) -> int:
+        """See the module docstring. O(running + examined candidates) in the common cases."""
+        if self._released or self._deferred_outputs or not self._running:
+            return 0
+        cfg = self.cfg
+        running = self._running
+        n = len(running)
+        if n > cfg.max_num_tokens:
+            return 0
+        k = 1 << 30
+        d_any = False
+        for e in running:
+            r = e.req
+            if r.num_computed != r.num_tokens - 1 or e.fresh:
+                return 0
+            if len(r.slots) != r.num_computed:
+                d_any = True
+            left = e.limit - len(r.output_ids) - 1
+            if left < k:
+                k = left
+        if k <= 0:
+            return 0
+        K = cfg.debug_preempt_every
+        if K:
+            k = min(k, (self._step // K + 1) * K - self._step - 1)
+            if k <= 0:
+                return 0
+        # decode allocations must come from the free list (no eviction, no preemption)
+        p = self.page_size
+        free = self.pool.free_pages
+        if p == 1 and not d_any:
+            k = min(k, free // n)
+        else:
+            lo, hi = 0, k            # largest t <= k with pages(t) <= free
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self._horizon_positions(mid)[0] <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        if k <= 0:
+            return 0
+        # nothing may be admitted or swapped in during the k schedule() calls
+        cands = self._horizon_candidates()
+        if cands is None:
+            return 0
+        if cands:
+            k = self._horizon_no_admission(k, cands, d_any)
+        return max(0, k)
+
+    def _horizon_candidates(self):
+        """(own, b, locked) of every request an admission attempt would examine,
+        [] when none would be attempted, None when the horizon must be 0."""
+        cfg = self.cfg
+        if self._swapped:
+            if len(self._running) >= cfg.max_batch_size:
+                return []
+            if cfg.policy == "priority":
+                return None
+            return [self._swap_need(self._swapped[0])]
+        if not self._waiting:
+            return []
+        if cfg.policy == "priority" and cfg.admission == "optimistic":
+            return None          # may preempt for a slot
+        if len(self._running) >= cfg.max_batch_size:
+            return []
+        pol = self.policy
+        W = len(self._waiting)
+        if pol.needs_sort:
+            if W <= 64:
+                examined = list(self._waiting)     # every order examines a subset of these
+            elif pol.dynamic:
+                return None
+            else:
+                examined = None
+        else:
+            examined = None
+        if examined is None:
+            room = cfg.max_batch_size - len(self._running)
+            examined = list(islice(pol.order(self._waiting, self._step + 1), max(room, 1) + cfg.lookahead + 1))
+        return [self._candidate_need(e) for e in examined]
+
+    def _aging_bound(self) -> int:
+        pol = self.policy
+        if not pol.needs_sort or len(self._waiting) <= 64:
+            return 1 << 30
+        lim = self.cfg.aging_steps
+        nxt = self._step + 1
+        best = 1 << 30
+        for e in self._waiting:
+            at = e.enq_step + lim
+            if at > nxt and at - nxt < best:
+                best = at - nxt
+        return best
+
+    def _horizon_no_admission(self, k: int, cands, d_any: bool) -> int:
+        """Largest k' <= k such that no candidate fits in any of the next k' schedule() calls
+        (admission is attempted with t = 0 .. k'-1 decode steps elapsed)."""
+        k = min(k, self._aging_bound())
+        if k <= 0:
+            return 0
+        mode = self.cfg.admission
+
+        def any_fits(t: int) -> bool:
+            adm = self._adm_at(t)
+            return any(adm.fits(*c) for c in cands)
+
+        if any_fits(0):
+            return 0
+        p = self.page_size
+        if p == 1 and mode == "guaranteed":
+            # sum of future growth and free both fall by one per running request per step
+            return k
+        cap = self.cfg.reserve_cap_tokens
+        if (p == 1 and mode == "optimistic" and not d_any
+                and all(e.final - len(e.req.slots) <= cap for e in self._running)
+                and all(c[1] <= cap for c in cands)):
+            return self._optimistic_root(k, cands, any_fits)
+        k = min(k, self.HORIZON_SCAN)
+        for t in range(1, k):
+            if any_fits(t):
+                return t
+        return k
+
+    def _optimistic_root(self, k: int, cands, any_fits) -> int:
+        """p == 1, no cap crossing: f_c(t) = F - n t - own - locked - r(t) (S - n t + b_c) with
+        r(t) = max(rmin, r0 - d t) is concave in t, so the first t where a candidate fits is
+        found from the roots, then confirmed with the exact check."""
+        import math
+        n = len(self._running)
+        F = self._available_pages()
+        S = sum(e.final - len(e.req.slots) for e in self._running)
+        rmin = self.cfg.new_token_ratio_min
+        r0 = max(rmin, self._ratio_base - self._ratio_delta * self._ratio_steps)
+        d = self._ratio_delta
+        t_floor = max(0.0, (r0 - rmin) / d) if d > 0 else float("inf")
+        first = float(k)
+        for own, b, locked in cands:
+            A = F - own - locked
+            D = S + b
+            # decaying part: -d n t^2 + (r0 n + d D - n) t + (A - r0 D) >= 0
+            qa, qb, qc = -d * n, r0 * n + d * D - n, A - r0 * D
+            roots = []
+            if qa != 0:
+                disc = qb * qb - 4 * qa * qc
+                if disc >= 0:
+                    sq = math.sqrt(disc)
+                    roots = sorted(((-qb - sq) / (2 * qa), (-qb + sq) / (2 * qa)))
+            elif qb > 0:
+                roots = [-qc / qb, float("inf")]
+            if roots:
+                lo = max(0.0, roots[0])
+                if lo <= min(roots[1], t_floor):
+                    first = min(first, lo)
+            # floor part: A - rmin D - n (1 - rmin) t >= 0 for t >= t_floor (decreasing)
+            if t_floor < first:
+                if A - rmin * D - n * (1 - rmin) * t_floor >= 0:
+                    first = min(first, t_floor)
+        t = k if first >= k else max(1, int(first) - 1)
+        # confirm with the exact check: step back while it already fits earlier
+        while t > 1 and any_fits(t - 1):
+            t -= 1
+        return t
+
+    def fast_forward(self, k: int, tokens: dict[str, list[int]], now: float) -> list[RequestOutput]:
+        """See the module docstring: k decode steps at once, same state as stepping."""
+        if k <= 0:
+            return []
+        h = self.decode_horizon(now)
+        if k > h:
+            raise ValueError(f"fast_forward({k}) beyond decode_horizon()={h}")
+        running = self._running
+        for e in running:
+            toks = tokens.get(e.req.req_id)
+            if toks is None or len(toks) != k:
+                raise ValueError(f"fast_forward: need {k} tokens for {e.req.req_id}")
+            if not e.stop_ids.isdisjoint(toks):
+                raise ValueError(f"fast_forward: a token would stop {e.req.req_id}; step normally")
+        pool = self.pool
+        p = self.page_size
+        n = len(running)
+        # page pops in the order k single steps would make them: step by step, batch order
+        events = []
+        simple = p == 1 and all(len(e.req.slots) == e.req.num_computed for e in running)
+        if simple:
+            pages = pool.alloc(n * k)
+            assert pages is not None
+            for i, e in enumerate(running):
+                e.req.slots.extend(pages[i::n])
+        else:
+            for i, e in enumerate(running):
+                r = e.req
+                nc, L = r.num_computed, len(r.slots)
+                q = max(nc, L)
+                q += (-q) % p if p > 1 else 0
+                while q < nc + k:
+                    events.append((q - nc + 1, i))
+                    q += p
+            events.sort()
+            pages = pool.alloc(len(events))
+            assert pages is not None
+            per: list[list[int]] = [[] for _ in running]
+            for (t, i), pg in zip(events, pages):
+                per[i].append(pg)
+            for i, e in enumerate(running):
+                r = e.req
+                target = r.num_computed + k
+                if len(r.slots) < target:
+                    pool.extend(r.slots, target - len(r.slots), per[i])
+        outs = []
+        pol = self.policy
+        for e in running:
+            r = e.req
+            toks = tokens[r.req_id]
+            r.output_ids.extend(toks)
+            r.num_computed += k
+            if r.first_token_at is None:
+                r.first_token_at = now
+            pol.on_tokens(e, k)
+            outs.append(RequestOutput(r.req_id, new_token_ids=list(toks)))
+        st = self._stats
+        self._step += k
+        self._ratio_steps += k
+        self._since_prefill += k
+        self._consec_prefill = 0
+        st.generated_tokens += n * k
+        st.last_prefill_seqs = st.last_prefill_tokens = st.last_cached_tokens = 0
+        st.last_swap_in = st.last_swap_out = st.last_preemptions = 0
+        st.last_decode_seqs = n
+        used = self.capacity - pool.free_tokens - (self.tree.evictable_size if self.tree else 0)
+        if used > st.kv_peak_used:
+            st.kv_peak_used = used
+        return outs

@@ -1,0 +1,293 @@
+"""TorchExecutor: runs ScheduledBatches on the real model (CPU, torch).
+
+It owns the KV pool (K and V, each [layers, capacity, kv_heads, head_dim],
+addressed by slot), a bounded host pool for swapped-out requests, the model
+and the sampler. `execute(batch)` applies swaps, forgets released requests,
+runs ONE forward over the ragged batch and samples.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+
+from shepherd.config import EngineConfig
+from shepherd.engine.executor import ScheduledBatch, ScheduledSeq, StepResult
+from shepherd.model.llama import AttnGroup, LlamaModel, StepInput
+from shepherd.model.loader import LoadedModel, load_model, model_name_for
+from shepherd.model.sampler import Sampler
+from shepherd.request import Request
+
+log = logging.getLogger("shepherd")
+
+
+class ExecutorError(RuntimeError):
+    pass
+
+
+class HostPoolFull(ExecutorError):
+    pass
+
+
+def mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 << 30
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class _ReqState:
+    """Per-request cache: the request and its slot ids as a tensor."""
+    __slots__ = ("req", "slots_t", "n_slots")
+
+    def __init__(self, req: Request):
+        self.req = req
+        self.slots_t = torch.empty(0, dtype=torch.long)
+        self.n_slots = 0
+
+    def sync(self, need: int, fresh: bool) -> torch.Tensor:
+        """Make slots_t[:need] equal req.slots[:need]; returns that view."""
+        slots = self.req.slots
+        if fresh or self.n_slots > len(slots):
+            self.n_slots = 0
+        if need > self.n_slots:
+            if self.slots_t.numel() < need:
+                cap = max(need, 2 * self.slots_t.numel(), 64)
+                new = torch.empty(cap, dtype=torch.long)
+                if self.n_slots:
+                    new[: self.n_slots] = self.slots_t[: self.n_slots]
+                self.slots_t = new
+            self.slots_t[self.n_slots: need] = torch.tensor(slots[self.n_slots: need], dtype=torch.long)
+            self.n_slots = need
+        return self.slots_t[:need]
+
+
+class TorchExecutor:
+    def __init__(self, cfg: Optional[EngineConfig] = None, loaded: Optional[LoadedModel] = None,
+                 kv_block: int = 64):
+        cfg = cfg or EngineConfig()
+        self.cfg = cfg
+        threads = cfg.num_threads or min(os.cpu_count() or 1, 64)
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        if loaded is None:
+            loaded = load_model(cfg.model, cfg.dtype)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = model_name_for(loaded.path)
+        self.dtype = loaded.dtype
+        self.batch_invariant = bool(cfg.batch_invariant)
+        mcfg = loaded.config
+        self.model_config = mcfg
+        self.model = LlamaModel(mcfg, loaded.weights, loaded.dtype, batch_invariant=self.batch_invariant,
+                                kv_block=kv_block)
+        loaded.weights = {}  # the model holds its own (fused) copies
+        self.kv_block = kv_block
+        per_tok = self.model.kv_bytes_per_token()
+        if cfg.max_total_tokens:
+            cap = int(cfg.max_total_tokens)
+        else:
+            avail = mem_available_bytes()
+            cap = int(avail * float(cfg.kv_cache_memory_fraction)) // per_tok
+            cap = max(256, min(cap, 1 << 22))
+        self.kv_capacity = cap
+        self.k_pool, self.v_pool = self.model.alloc_kv(cap)
+        self.max_model_len = min(mcfg.max_position_embeddings, cap)
+        if cfg.host_kv_tokens:
+            self.host_kv_capacity = int(cfg.host_kv_tokens)
+        elif cfg.scheduler.preemption == "swap":
+            self.host_kv_capacity = cap
+        else:
+            self.host_kv_capacity = 0
+        self.host_used = 0
+        self.host: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self.sampler = Sampler()
+        self.reqs: dict[str, _ReqState] = {}
+        self._arange = torch.arange(max(self.max_model_len, 1) + kv_block, dtype=torch.long)
+        log.info("model %s loaded in %.1fs (%s, %d layers, batch_invariant=%s, threads=%d)",
+                 self.model_name, time.perf_counter() - t0, str(self.dtype).replace("torch.", ""),
+                 mcfg.num_layers, self.batch_invariant, threads)
+        log.info("KV cache: %d tokens (%.1f MiB, %d bytes/token); host swap pool: %d tokens",
+                 cap, cap * per_tok / 2**20, per_tok, self.host_kv_capacity)
+        if self.batch_invariant:
+            self._probe_gemm()
+
+    # ------------------------------------------------------------------ invariance probe
+    def _probe_gemm(self) -> None:
+        """Check that a GEMM row's bits do not depend on M; otherwise use fixed row tiles."""
+        m = self.model
+        w = m.layers[0]["wgu"]
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(72, w.shape[1], generator=g).to(m.dtype)
+        ref = torch.nn.functional.linear(x[:m.min_rows], w)[0]
+        ok = all(torch.equal(torch.nn.functional.linear(x[:M], w)[0], ref) for M in (m.min_rows, 7, 16, 33, 64, 72))
+        if not ok:
+            m.row_tile = 16
+            log.warning("GEMM rows are not batch invariant on this CPU: using fixed %d-row tiles", m.row_tile)
+
+    # ------------------------------------------------------------------ protocol
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        t0 = time.perf_counter()
+        for op in batch.swap_out:
+            self._swap_out(op.req_id, op.slots)
+        for op in batch.swap_in:
+            self._swap_in(op.req_id, op.slots)
+        for rid in batch.released:
+            self._release(rid)
+        res = StepResult()
+        if batch.seqs:
+            with torch.inference_mode():
+                self._run(batch.seqs, res)
+        res.step_time = time.perf_counter() - t0
+        return res
+
+    # ------------------------------------------------------------------ host pool
+    def _swap_out(self, req_id: str, slots: list[int]) -> None:
+        n = len(slots)
+        if self.host_used + n > self.host_kv_capacity:
+            raise HostPoolFull(f"swap out of {req_id} ({n} tokens) exceeds the host KV pool "
+                               f"({self.host_used}/{self.host_kv_capacity} tokens used)")
+        if req_id in self.host:
+            self._drop_host(req_id)
+        idx = torch.tensor(slots, dtype=torch.long)
+        self.host[req_id] = (self.k_pool.index_select(1, idx), self.v_pool.index_select(1, idx))
+        self.host_used += n
+
+    def _swap_in(self, req_id: str, slots: list[int]) -> None:
+        if req_id not in self.host:
+            raise ExecutorError(f"swap in of {req_id}: no host copy")
+        k, v = self.host[req_id]
+        if k.shape[1] != len(slots):
+            raise ExecutorError(f"swap in of {req_id}: {len(slots)} slots for {k.shape[1]} swapped tokens")
+        idx = torch.tensor(slots, dtype=torch.long)
+        self.k_pool.index_copy_(1, idx, k)
+        self.v_pool.index_copy_(1, idx, v)
+        self._drop_host(req_id)
+        st = self.reqs.get(req_id)
+        if st is not None:
+            st.n_slots = 0
+
+    def _drop_host(self, req_id: str) -> None:
+        k, _ = self.host.pop(req_id)
+        self.host_used -= k.shape[1]
+
+    def _release(self, req_id: str) -> None:
+        st = self.reqs.pop(req_id, None)
+        finished = st is None or st.req.finished
+        if finished:
+            self.sampler.forget(req_id)
+            if req_id in self.host:
+                self._drop_host(req_id)
+
+    # ------------------------------------------------------------------ forward
+    def _state(self, seq: ScheduledSeq) -> _ReqState:
+        st = self.reqs.get(seq.req.req_id)
+        if st is None or st.req is not seq.req:
+            st = _ReqState(seq.req)
+            self.reqs[seq.req.req_id] = st
+        return st
+
+    def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
+        Bk = self.kv_block
+        ids: list[int] = []
+        pos_parts = []
+        write_parts = []
+        logits_rows: list[int] = []
+        sampled: list[ScheduledSeq] = []
+        dec_rows: list[int] = []
+        dec_slots: list[torch.Tensor] = []
+        dec_ctx: list[int] = []
+        prefills = []
+        row = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            if n == 0:
+                continue
+            ctx = s.start_pos + n
+            if ctx > self.max_model_len:
+                raise ExecutorError(f"{s.req_id}: context {ctx} exceeds max_model_len {self.max_model_len}")
+            st = self._state(s)
+            sl = st.sync(ctx, s.fresh)
+            ids.extend(s.token_ids)
+            pos_parts.append(self._arange[s.start_pos: ctx])
+            write_parts.append(sl[s.start_pos: ctx])
+            if n == 1:
+                dec_rows.append(row)
+                dec_slots.append(sl)
+                dec_ctx.append(ctx)
+            else:
+                prefills.append((row, n, s.start_pos, sl))
+            if s.sample:
+                logits_rows.append(row + n - 1)
+                sampled.append(s)
+            row += n
+        T = row
+        groups: list[AttnGroup] = []
+        if dec_rows:
+            B = len(dec_rows)
+            Lmax = max(dec_ctx)
+            Lp = _round_up(Lmax, Bk) if self.batch_invariant else _round_up(Lmax, 8)
+            gather = torch.zeros((B, Lp), dtype=torch.long)
+            for b, sl in enumerate(dec_slots):
+                gather[b, : sl.numel()] = sl
+            ctx_t = torch.tensor(dec_ctx, dtype=torch.long)
+            valid = self._arange[:Lp].unsqueeze(0) < ctx_t.unsqueeze(1)          # [B, Lp]
+            mask = torch.zeros((B, 1, 1, Lp), dtype=torch.float32)
+            mask.masked_fill_(~valid.view(B, 1, 1, Lp), float("-inf"))
+            all_dec = B == T
+            tok_idx = None if all_dec else torch.tensor(dec_rows, dtype=torch.long)
+            groups.append(AttnGroup(token_index=tok_idx, gather=gather.view(-1), mask=mask, B=B, q_len=1, Lp=Lp))
+        for (r0, n, start, sl) in prefills:
+            ctx = start + n
+            Lp = _round_up(ctx, Bk) if self.batch_invariant else _round_up(ctx, 8)
+            gather = torch.zeros(Lp, dtype=torch.long)
+            gather[:ctx] = sl
+            qpos = self._arange[start: ctx].unsqueeze(1)                          # [n, 1]
+            valid = self._arange[:Lp].unsqueeze(0) <= qpos                          # [n, Lp]
+            mask = torch.zeros((1, 1, n, Lp), dtype=torch.float32)
+            mask.masked_fill_(~valid.view(1, 1, n, Lp), float("-inf"))
+            tok_idx = None if (n == T) else self._arange[r0: r0 + n]
+            groups.append(AttnGroup(token_index=tok_idx, gather=gather, mask=mask, B=1, q_len=n, Lp=Lp))
+        inp = StepInput(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0],
+            write_slots=torch.cat(write_parts) if len(write_parts) > 1 else write_parts[0],
+            groups=groups,
+            logits_index=torch.tensor(logits_rows, dtype=torch.long),
+            num_tokens=T,
+        )
+        return inp, sampled
+
+    def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run the forward; returns logits [S, V] (float32) for the seqs that sample."""
+        inp, sampled = self.build_input(seqs)
+        if not sampled:
+            inp.logits_index = torch.empty(0, dtype=torch.long)
+        logits = self.model.forward(inp, self.k_pool, self.v_pool)
+        return logits, sampled
+
+    def _run(self, seqs: list[ScheduledSeq], res: StepResult) -> None:
+        logits, sampled = self.forward_logits(seqs)
+        if not sampled:
+            return
+        reqs = [s.req for s in sampled]
+        tokens, lps = self.sampler.sample(logits, reqs)
+        for s, t, lp in zip(sampled, tokens, lps):
+            res.tokens[s.req_id] = t
+            if lp is not None:
+                res.logprobs[s.req_id] = lp

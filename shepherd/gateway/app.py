@@ -1,0 +1,608 @@
+"""The gateway: an OpenAI-compatible HTTP proxy across replicas.
+
+    gw = Gateway(BackendPool(["http://127.0.0.1:8001", "http://127.0.0.1:8002"]),
+                 make_policy("prefix-aware"))
+    uvicorn.run(gw, ...)            # a plain ASGI app
+
+Routes
+  POST /v1/completions, /v1/chat/completions   routed by the policy, passed through;
+                                                SSE relayed chunk by chunk, byte for byte
+  GET  /v1/models                               the union of the healthy backends' models
+  GET  /health                                  200 while at least one backend is healthy, else 503
+  GET  /metrics                                 the gateway's own Prometheus registry
+  GET  /admin/backends                          backends with their state
+  POST /admin/backends   {"url": URL}           add a backend
+  DELETE /admin/backends {"url": URL} or ?url=  remove a backend
+
+Request life (the invariants tests/test_gateway.py checks):
+- in-flight of the chosen backend is +1 when a request is dispatched and -1
+  in a `finally` when that attempt ends, whatever way: success, backend
+  error, retry, client abort (a watcher on http.disconnect cancels the
+  handler), timeout.
+- A backend failure before the first byte reached the client (connect
+  error, timeout, 5xx, 429/503 overload, a stream that dies before its
+  first chunk) is retried on another replica, at most `retries` times, with
+  exponential backoff. Response headers go to the client only together
+  with the first body chunk, so "nothing sent yet" is exact.
+- After the first byte, a failure ends the stream with one SSE error event
+  (`data: {"error": {...}}`); nothing hangs: connect/read/write timeouts
+  bound every wait on a backend.
+- Connect errors, timeouts, 500/502/504 count toward ejecting a backend;
+  429 and 503 (overload) do not, and a 4xx answer (the client's fault) is
+  passed through and counts as a success.
+- Bad input to the gateway itself (not JSON, not an object, no prompt /
+  messages, body too large) gets a 400 with an OpenAI-style error body.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+from urllib.parse import parse_qs
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shepherd.gateway.backends import Backend, BackendPool, normalize_url
+from shepherd.gateway.routing import NoReplicaAvailable, RouteRequest, RoutingPolicy
+
+log = logging.getLogger("shepherd.gateway")
+
+PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
+# request headers never forwarded to a backend
+_DROP_REQ = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding",
+             b"te", b"trailer", b"upgrade", b"proxy-connection", b"proxy-authorization",
+             b"accept-encoding"}
+# response headers never copied back to the client
+_DROP_RESP = {"content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
+              "upgrade", "date", "server"}
+
+
+@dataclass
+class GatewayConfig:
+    retries: int = 2                 # extra attempts on other replicas, before the first byte only
+    retry_backoff: float = 0.02      # seconds before the first retry; doubles each time
+    retry_backoff_max: float = 0.5
+    connect_timeout: float = 2.0
+    read_timeout: float = 120.0      # longest silence from a backend (to headers, first and next chunks)
+    write_timeout: float = 30.0
+    pool_timeout: float = 30.0
+    max_connections: int = 2048
+    max_keepalive: int = 512
+    max_body_bytes: int = 32 << 20
+    models_timeout: float = 5.0
+    backend_header: bool = True      # add x-shepherd-backend to responses
+
+
+class GatewayMetrics:
+    def __init__(self, gw: "Gateway", registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("shepherd_gateway_requests", "Requests answered, by backend and status",
+                                ["backend", "status"], registry=r)
+        self.decisions = Counter("shepherd_gateway_routing_decisions",
+                                 "Routing decisions by policy and reason", ["policy", "reason"], registry=r)
+        self.retries = Counter("shepherd_gateway_retries", "Requests retried on another replica, by cause",
+                               ["reason"], registry=r)
+        self.errors = Counter("shepherd_gateway_errors",
+                              "Requests that did not end normally, by kind "
+                              "(client_abort, stream_error, no_backend, upstream, bad_request)",
+                              ["kind"], registry=r)
+        self.ejections = Counter("shepherd_gateway_backend_ejections", "Backends ejected as unhealthy",
+                                 ["backend"], registry=r)
+        r.register(_PoolCollector(gw))
+
+
+class _PoolCollector:
+    """Per-backend gauges read from the pool when /metrics is scraped."""
+
+    def __init__(self, gw: "Gateway") -> None:
+        self.gw = gw
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        inflight = GaugeMetricFamily("shepherd_gateway_in_flight", "Requests in flight per backend",
+                                     labels=["backend"])
+        healthy = GaugeMetricFamily("shepherd_gateway_backend_healthy", "1 if the backend takes traffic",
+                                    labels=["backend"])
+        running = GaugeMetricFamily("shepherd_gateway_backend_running", "Scraped running requests",
+                                    labels=["backend"])
+        waiting = GaugeMetricFamily("shepherd_gateway_backend_waiting", "Scraped waiting requests",
+                                    labels=["backend"])
+        kv = GaugeMetricFamily("shepherd_gateway_backend_kv_usage", "Scraped KV-cache use (0..1)",
+                               labels=["backend"])
+        for b in self.gw.pool.backends():
+            s = b.state
+            inflight.add_metric([b.url], s.in_flight)
+            healthy.add_metric([b.url], 1.0 if s.healthy else 0.0)
+            running.add_metric([b.url], s.running)
+            waiting.add_metric([b.url], s.waiting)
+            kv.add_metric([b.url], s.kv_usage)
+        total = GaugeMetricFamily("shepherd_gateway_in_flight_total", "Requests in flight through the gateway")
+        total.add_metric([], self.gw.in_flight)
+        return [inflight, healthy, running, waiting, kv, total]
+
+
+def error_body(message: str, type_: str = "invalid_request_error", code=None, param=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+async def _send_json(send, status: int, obj, headers: Optional[list] = None) -> None:
+    data = json.dumps(obj).encode()
+    h = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    if headers:
+        h.extend(headers)
+    await send({"type": "http.response.start", "status": status, "headers": h})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def _flatten_content(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):          # [{"type": "text", "text": ...}, ...]
+        out = []
+        for part in content:
+            if isinstance(part, dict):
+                t = part.get("text")
+                if isinstance(t, str):
+                    out.append(t)
+            elif isinstance(part, str):
+                out.append(part)
+        return "".join(out)
+    return str(content)
+
+
+def route_request_from(payload: dict, chat: bool, headers: dict, now: float) -> RouteRequest:
+    """What the routing policy sees of a request; raises _BadRequest on bad input."""
+    token_ids = None
+    if chat:
+        msgs = payload.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise _BadRequest("'messages' must be a non-empty list", "messages")
+        parts = []
+        for m in msgs:
+            if not isinstance(m, dict):
+                raise _BadRequest("each message must be an object", "messages")
+            parts.append(f"<|{m.get('role', '')}|>{_flatten_content(m.get('content'))}\n")
+        text = "".join(parts)
+    else:
+        if "prompt" not in payload:
+            raise _BadRequest("'prompt' is required", "prompt")
+        prompt = payload["prompt"]
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool)
+                                                         for x in prompt):
+            token_ids = prompt
+            text = " ".join(map(str, prompt))
+        elif isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
+            text = prompt[0]           # route a batch by its first prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
+            token_ids = prompt[0] if all(isinstance(t, int) for t in prompt[0]) else None
+            text = " ".join(map(str, prompt[0]))
+        else:
+            raise _BadRequest("'prompt' must be a string, a list of strings, or token ids", "prompt")
+    stream = payload.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _BadRequest("'stream' must be a boolean", "stream")
+    user = payload.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _BadRequest("'user' must be a string", "user")
+    user = user or headers.get("x-client-id") or None
+    mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
+    return RouteRequest(
+        text=text, token_ids=token_ids, user=user, session=headers.get("x-session-id"),
+        headers=headers, input_tokens=len(token_ids) if token_ids else max(1, len(text) // 4),
+        now=now, max_tokens=mt if isinstance(mt, int) and not isinstance(mt, bool) else 0)
+
+
+class Gateway:
+    """ASGI application. Create it, then serve it with uvicorn (lifespan on),
+    or call `await gw.startup()` / `await gw.shutdown()` yourself."""
+
+    def __init__(self, pool: BackendPool, policy: RoutingPolicy, config: Optional[GatewayConfig] = None,
+                 policy_name: Optional[str] = None, registry: Optional[CollectorRegistry] = None) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.policy_name = policy_name or policy.name
+        self.cfg = config or GatewayConfig()
+        self.metrics = GatewayMetrics(self, registry)
+        self.client: Optional[httpx.AsyncClient] = None
+        self.in_flight = 0
+        self._started = False
+        self._count_output = getattr(policy, "name", "") == "vtc-basic" or getattr(
+            getattr(policy, "fallback", None), "name", "") == "vtc-basic"
+        pool.on_change = self._on_pool_change
+        pool.on_health = self._on_health
+
+    # --- lifecycle -----------------------------------------------------------------
+    async def startup(self) -> None:
+        if self._started:
+            return
+        c = self.cfg
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=c.connect_timeout, read=c.read_timeout,
+                                  write=c.write_timeout, pool=c.pool_timeout),
+            limits=httpx.Limits(max_connections=c.max_connections,
+                                max_keepalive_connections=c.max_keepalive, keepalive_expiry=30.0),
+            trust_env=False, follow_redirects=False)
+        await self.pool.start()
+        self._started = True
+
+    async def shutdown(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        await self.pool.stop()
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    def _on_pool_change(self, removed_url: Optional[str]) -> None:
+        if removed_url:
+            self.policy.forget(removed_url)
+
+    def _on_health(self, b: Backend) -> None:
+        if not b.healthy:
+            self.metrics.ejections.labels(b.url).inc()
+
+    # --- ASGI ------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        t = scope["type"]
+        if t == "http":
+            await self._http(scope, receive, send)
+        elif t == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:      # pragma: no cover
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope, receive, send) -> None:
+        path = scope["path"]
+        method = scope["method"]
+        if path in PROXY_PATHS:
+            if method != "POST":
+                return await _send_json(send, 405, error_body(f"{method} not allowed on {path}"))
+            return await self._proxy(scope, receive, send, path)
+        if path == "/health" and method in ("GET", "HEAD"):
+            n = self.pool.healthy_count()
+            return await _send_json(send, 200 if n else 503,
+                                    {"status": "ok" if n else "no healthy backend", "healthy_backends": n,
+                                     "backends": len(self.pool.replicas())})
+        if path == "/metrics" and method == "GET":
+            data = generate_latest(self.metrics.registry)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                                    (b"content-length", str(len(data)).encode())]})
+            return await send({"type": "http.response.body", "body": data})
+        if path == "/v1/models" and method == "GET":
+            return await self._models(scope, send)
+        if path == "/admin/backends":
+            return await self._admin(scope, receive, send, method)
+        return await _send_json(send, 404, error_body(f"no route {method} {path}", "not_found_error"))
+
+    # --- helpers -----------------------------------------------------------------------
+    async def _read_body(self, receive) -> bytes:
+        chunks = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _Disconnected()
+            b = msg.get("body", b"")
+            if b:
+                size += len(b)
+                if size > self.cfg.max_body_bytes:
+                    raise _BadRequest(f"request body larger than {self.cfg.max_body_bytes} bytes", status=413)
+                chunks.append(b)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _models(self, scope, send) -> None:
+        assert self.client is not None
+        bs = [b for b in self.pool.backends() if b.healthy]
+        fwd = [(k, v) for k, v in scope["headers"] if k.lower() == b"authorization"]
+
+        async def one(b: Backend):
+            try:
+                r = await self.client.get(b.url + "/v1/models", headers=fwd, timeout=self.cfg.models_timeout)
+                if r.status_code == 200:
+                    return r.json().get("data", [])
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+            return []
+
+        seen, data = set(), []
+        for lst in await asyncio.gather(*(one(b) for b in bs)):
+            for m in lst if isinstance(lst, list) else []:
+                mid = m.get("id") if isinstance(m, dict) else None
+                if mid is not None and mid not in seen:
+                    seen.add(mid)
+                    data.append(m)
+        await _send_json(send, 200, {"object": "list", "data": data})
+
+    async def _admin(self, scope, receive, send, method: str) -> None:
+        if method == "GET":
+            return await _send_json(send, 200, {"policy": self.policy_name,
+                                                "backends": [b.to_dict() for b in self.pool.backends()]})
+        if method not in ("POST", "DELETE"):
+            return await _send_json(send, 405, error_body(f"{method} not allowed on /admin/backends"))
+        try:
+            body = await self._read_body(receive)
+        except _Disconnected:
+            return
+        except _BadRequest as e:
+            return await _send_json(send, e.status, error_body(e.message))
+        url = None
+        qs = parse_qs(scope.get("query_string", b"").decode())
+        if "url" in qs:
+            url = qs["url"][0]
+        elif body.strip():
+            try:
+                obj = json.loads(body)
+                url = obj.get("url") if isinstance(obj, dict) else None
+            except ValueError:
+                return await _send_json(send, 400, error_body("body must be JSON {\"url\": ...}"))
+        if not isinstance(url, str) or not url:
+            return await _send_json(send, 400, error_body("a backend 'url' is required", param="url"))
+        try:
+            url = normalize_url(url)
+        except ValueError as e:
+            return await _send_json(send, 400, error_body(str(e), param="url"))
+        if method == "POST":
+            b = self.pool.add(url, source="admin")
+            return await _send_json(send, 200, {"added": url, "backend": b.to_dict()})
+        if not self.pool.remove(url):
+            return await _send_json(send, 404, error_body(f"no backend {url}", "not_found_error"))
+        return await _send_json(send, 200, {"removed": url})
+
+    # --- the proxy ---------------------------------------------------------------------
+    async def _proxy(self, scope, receive, send, path: str) -> None:
+        m = self.metrics
+        try:
+            body = await self._read_body(receive)
+            try:
+                payload = json.loads(body)
+            except ValueError:
+                raise _BadRequest("request body is not valid JSON") from None
+            if not isinstance(payload, dict):
+                raise _BadRequest("request body must be a JSON object")
+            hdrs = {}
+            fwd = []
+            for k, v in scope["headers"]:
+                lk = k.lower()
+                if lk.startswith(b"x-"):
+                    hdrs[lk.decode("latin-1")] = v.decode("latin-1")
+                if lk not in _DROP_REQ:
+                    fwd.append((k, v))
+            rr = route_request_from(payload, path == "/v1/chat/completions", hdrs, time.monotonic())
+        except _Disconnected:
+            m.errors.labels("client_abort").inc()
+            return
+        except _BadRequest as e:
+            m.errors.labels("bad_request").inc()
+            return await _send_json(send, e.status, error_body(e.message, param=e.param, code=e.status))
+
+        # From here on a client disconnect cancels this task (the watcher), so
+        # every await below may raise CancelledError and every finally runs.
+        # Once the last body message is handed to the server the answer is
+        # complete and a disconnect no longer matters (uvicorn reports one
+        # as soon as the response is complete).
+        task = asyncio.current_task()
+        flags = {"complete": False, "gone": False}
+
+        async def send_tracked(msg):
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                flags["complete"] = True
+            await send(msg)
+
+        async def watch():
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    if not flags["complete"]:
+                        flags["gone"] = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        self.in_flight += 1
+        try:
+            await self._dispatch(send_tracked, path, body, fwd, rr)
+        except asyncio.CancelledError:
+            if not flags["gone"]:
+                raise
+            task.uncancel()
+            m.errors.labels("client_abort").inc()
+        finally:
+            self.in_flight -= 1
+            watcher.cancel()
+
+    async def _dispatch(self, send, path, body, fwd, rr: RouteRequest) -> None:
+        m, cfg, pool = self.metrics, self.cfg, self.pool
+        tried: set = set()
+        last_answer = None            # (status, headers, body) of the last retryable HTTP answer
+        last_error = "no backend"
+        for attempt in range(cfg.retries + 1):
+            cands = [r for r in pool.replicas() if r.healthy and r.url not in tried]
+            if not cands:
+                break
+            try:
+                replica = self.policy.choose(rr, cands)
+            except NoReplicaAvailable:
+                break
+            m.decisions.labels(self.policy_name, self.policy.last_reason or "-").inc()
+            backend = pool.get(replica.url)
+            if backend is None:        # removed between choose and here (cannot happen on one loop)
+                tried.add(replica.url)
+                continue
+            done, why, answer = await self._attempt(send, path, body, fwd, rr, backend)
+            if done:
+                return
+            tried.add(backend.url)
+            last_error = why
+            if answer is not None:
+                last_answer = answer
+            if attempt < cfg.retries and any(r.healthy and r.url not in tried for r in pool.replicas()):
+                m.retries.labels(why.split(":")[0]).inc()
+                await asyncio.sleep(min(cfg.retry_backoff * (2 ** attempt), cfg.retry_backoff_max))
+        # nothing reached the client: answer for the gateway
+        if last_answer is not None:
+            status, headers, data = last_answer
+            m.errors.labels("upstream").inc()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": headers + [(b"content-length", str(len(data)).encode())]})
+            await send({"type": "http.response.body", "body": data})
+            return
+        if not tried:
+            m.errors.labels("no_backend").inc()
+            return await _send_json(send, 503, error_body("no healthy backend", "service_unavailable", 503),
+                                    [(b"retry-after", b"1")])
+        m.errors.labels("upstream").inc()
+        await _send_json(send, 502, error_body(f"all backends failed: {last_error}", "upstream_error", 502))
+
+    def _resp_headers(self, resp: httpx.Response, backend: Backend) -> list:
+        out = [(k, v) for k, v in resp.headers.raw if k.decode("latin-1").lower() not in _DROP_RESP]
+        if self.cfg.backend_header:
+            out.append((b"x-shepherd-backend", backend.url.encode()))
+        return out
+
+    async def _attempt(self, send, path, body, fwd, rr, backend: Backend):
+        """One try on one backend. Returns (done, why, retryable_answer):
+        done=True when the client got a complete answer (or an error event
+        after the first byte); else nothing was sent and the caller may retry."""
+        assert self.client is not None
+        m, pool, state = self.metrics, self.pool, backend.state
+        state.in_flight += 1
+        backend.total_requests += 1
+        self.policy.on_dispatch(rr, state)
+        out_tokens = 0
+        status_label = "error"
+        try:
+            req = self.client.build_request("POST", backend.url + path, content=body, headers=fwd)
+            try:
+                resp = await self.client.send(req, stream=True)
+            except httpx.TimeoutException as e:
+                pool.record_failure(backend, f"timeout: {type(e).__name__}")
+                return False, f"timeout: {type(e).__name__} before response from {backend.url}", None
+            except (httpx.HTTPError, OSError) as e:
+                pool.record_failure(backend, f"connect: {type(e).__name__}")
+                return False, f"connect: {type(e).__name__} from {backend.url}", None
+            try:
+                status = resp.status_code
+                status_label = str(status)
+                if status >= 500 or status == 429:
+                    try:
+                        data = b"".join([c async for c in resp.aiter_raw()])
+                    except (httpx.HTTPError, OSError):
+                        data = json.dumps(error_body(f"backend answered {status}", "upstream_error",
+                                                     status)).encode()
+                    if status in (429, 503):
+                        why = f"overloaded: HTTP {status} from {backend.url}"
+                    else:
+                        pool.record_failure(backend, f"HTTP {status}")
+                        why = f"status: HTTP {status} from {backend.url}"
+                    hdrs = [(k, v) for k, v in self._resp_headers(resp, backend)]
+                    return False, why, (status, hdrs, data)
+                pool.record_success(backend)
+                ctype = resp.headers.get("content-type", "")
+                if not ctype.startswith("text/event-stream"):
+                    try:
+                        data = b"".join([c async for c in resp.aiter_raw()])
+                    except httpx.TimeoutException as e:
+                        pool.record_failure(backend, f"timeout: {type(e).__name__}")
+                        return False, f"timeout: {type(e).__name__} reading body from {backend.url}", None
+                    except (httpx.HTTPError, OSError) as e:
+                        pool.record_failure(backend, f"body: {type(e).__name__}")
+                        return False, f"body: {type(e).__name__} from {backend.url}", None
+                    if self._count_output and status == 200:
+                        out_tokens = _usage_tokens(data)
+                    headers = self._resp_headers(resp, backend)
+                    headers.append((b"content-length", str(len(data)).encode()))
+                    await send({"type": "http.response.start", "status": status, "headers": headers})
+                    await send({"type": "http.response.body", "body": data})
+                    return True, "", None
+                # SSE: wait for the first chunk before anything goes to the client
+                it = resp.aiter_raw()
+                try:
+                    first = await it.__anext__()
+                except StopAsyncIteration:
+                    first = b""
+                except httpx.TimeoutException as e:
+                    pool.record_failure(backend, f"timeout: {type(e).__name__}")
+                    return False, f"timeout: {type(e).__name__} before first chunk from {backend.url}", None
+                except (httpx.HTTPError, OSError) as e:
+                    pool.record_failure(backend, f"stream: {type(e).__name__}")
+                    return False, f"stream: {type(e).__name__} before first chunk from {backend.url}", None
+                await send({"type": "http.response.start", "status": status,
+                            "headers": self._resp_headers(resp, backend)})
+                count = self._count_output
+                if first:
+                    if count:
+                        out_tokens += first.count(b"data: ")
+                    await send({"type": "http.response.body", "body": first, "more_body": True})
+                try:
+                    async for chunk in it:
+                        if count:
+                            out_tokens += chunk.count(b"data: ")
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except (httpx.HTTPError, OSError) as e:
+                    # after the first byte: tell the client in-band and end the stream
+                    kind = "timeout" if isinstance(e, httpx.TimeoutException) else "stream"
+                    pool.record_failure(backend, f"{kind}: {type(e).__name__} mid-stream")
+                    m.errors.labels("stream_error").inc()
+                    status_label = "stream_error"
+                    ev = error_body(f"backend {backend.url} failed mid-stream: {type(e).__name__}",
+                                    "upstream_error", 502)
+                    await send({"type": "http.response.body",
+                                "body": b"data: " + json.dumps(ev).encode() + b"\n\n", "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return True, "", None
+            finally:
+                await resp.aclose()
+        finally:
+            state.in_flight -= 1
+            m.requests.labels(backend.url, status_label).inc()
+            try:
+                self.policy.on_finish(rr, state, max(0, out_tokens - 1) if out_tokens else out_tokens)
+            except Exception:          # pragma: no cover - a policy bug must not leak in-flight
+                log.exception("policy.on_finish")
+
+
+def _usage_tokens(data: bytes) -> int:
+    try:
+        u = json.loads(data).get("usage") or {}
+        return int(u.get("completion_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0

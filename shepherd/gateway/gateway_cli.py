@@ -1,0 +1,95 @@
+"""`shepherd gateway`: route OpenAI requests across replicas.
+
+    shepherd gateway --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 \\
+        --policy prefix-aware --port 8000
+    shepherd gateway --backend-file backends.txt --policy weighted --scorer-weights prefix=2,load=1
+    shepherd gateway ... --policy prefix-aware --policy-knob block_size=64 --policy-knob imbalance_abs_count=16
+
+A configuration error is one clear line and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from shepherd.gateway.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
+
+EXIT_CONFIG = 2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from shepherd.gateway.app import GatewayConfig
+    from shepherd.gateway.backends import HealthConfig
+    g, h = GatewayConfig(), HealthConfig()
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="a replica's base URL (repeat for several), e.g. http://127.0.0.1:8001")
+    p.add_argument("--backend-file", default=None, metavar="FILE",
+                   help="file with one backend URL per line (or a JSON list); re-read when it changes")
+    p.add_argument("--policy", default="least-request",
+                   help=f"routing policy: {', '.join(POLICY_NAMES)} (default %(default)s)")
+    p.add_argument("--policy-knob", action="append", default=[], metavar="NAME=VALUE",
+                   help="a knob of the policy (repeatable); `--list-knobs` shows them")
+    p.add_argument("--scorer-weights", default=None, metavar="S=W,...",
+                   help="weighted policy: scorer weights, e.g. prefix=2,queue=1,kv=1,load=1")
+    p.add_argument("--list-knobs", action="store_true", help="print every policy's knobs and exit")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--retries", type=int, default=g.retries,
+                   help="extra attempts on other replicas before the first byte (default %(default)s)")
+    p.add_argument("--retry-backoff", type=float, default=g.retry_backoff,
+                   help="seconds before the first retry, doubling (default %(default)s)")
+    p.add_argument("--connect-timeout", type=float, default=g.connect_timeout)
+    p.add_argument("--read-timeout", type=float, default=g.read_timeout,
+                   help="longest silence from a backend, seconds (default %(default)s)")
+    p.add_argument("--fail-threshold", type=int, default=h.fail_threshold,
+                   help="consecutive failures that eject a backend (default %(default)s)")
+    p.add_argument("--success-threshold", type=int, default=h.success_threshold,
+                   help="consecutive good health checks that re-admit it (default %(default)s)")
+    p.add_argument("--health-interval", type=float, default=h.health_interval,
+                   help="seconds between health checks (default %(default)s)")
+    p.add_argument("--metrics-interval", type=float, default=h.metrics_interval,
+                   help="seconds between backend /metrics scrapes, 0 = off (default %(default)s)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def build_gateway(args: argparse.Namespace):
+    """(Gateway, policy name) from parsed arguments; ValueError on a bad configuration."""
+    from shepherd.gateway.app import Gateway, GatewayConfig
+    from shepherd.gateway.backends import BackendPool, HealthConfig
+    knobs = parse_knobs(args.policy_knob)
+    if args.scorer_weights is not None:
+        knobs["weights"] = args.scorer_weights
+    policy = make_policy(args.policy, **knobs)
+    for name in ("retries", "fail_threshold", "success_threshold"):
+        if getattr(args, name) < (0 if name == "retries" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
+    health = HealthConfig(fail_threshold=args.fail_threshold, success_threshold=args.success_threshold,
+                          health_interval=args.health_interval, metrics_interval=args.metrics_interval)
+    pool = BackendPool(args.backend, health=health, backend_file=args.backend_file)
+    if not pool.backends() and not args.backend_file:
+        raise ValueError("give at least one --backend URL or a --backend-file")
+    cfg = GatewayConfig(retries=args.retries, retry_backoff=args.retry_backoff,
+                        connect_timeout=args.connect_timeout, read_timeout=args.read_timeout)
+    return Gateway(pool, policy, cfg), policy.name
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.list_knobs:
+        for name in POLICY_NAMES:
+            knobs = ", ".join(f"{k}={v!r}" for k, v in policy_knobs(name).items()) or "-"
+            print(f"{name}: {knobs}")
+        return 0
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        gw, pname = build_gateway(args)
+    except (ValueError, OSError) as e:
+        print(f"shepherd gateway: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    import uvicorn
+    print(f"shepherd gateway: {pname} over {len(gw.pool.backends())} backend(s) "
+          f"on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    uvicorn.run(gw, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                lifespan="on", timeout_keep_alive=30)
+    return 0

@@ -1,0 +1,131 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition /
+frequency / presence penalties, per-request seeds, logprobs with top-N.
+
+Order of processing (as vLLM): penalties -> temperature -> top-k -> top-p ->
+min-p -> sample. Logprobs are those of the model's raw distribution
+(log_softmax of the unprocessed logits), as vLLM returns by default.
+
+Seeded requests draw from their own torch.Generator (keyed by req_id, seeded
+from params.seed), so their samples do not depend on what else is in the
+batch; unseeded requests share one global generator.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from shepherd.request import Request, SamplingParams, TokenLogprob
+
+_NEG_INF = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                    p: SamplingParams) -> torch.Tensor:
+    """One row [V]. repetition_penalty over prompt+output tokens (HF/vLLM rule:
+    positive logits divided, negative multiplied); frequency/presence over output
+    tokens (OpenAI: logit -= count*frequency + (count>0)*presence)."""
+    V = logits.shape[-1]
+    if p.repetition_penalty != 1.0:
+        seen = list(prompt_ids) + list(output_ids)
+        if seen:
+            idx = torch.tensor(sorted(set(i for i in seen if 0 <= i < V)), dtype=torch.long)
+            sel = logits.index_select(0, idx)
+            sel = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+            logits = logits.index_copy(0, idx, sel)
+    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and output_ids:
+        out = torch.tensor([i for i in output_ids if 0 <= i < V], dtype=torch.long)
+        counts = torch.bincount(out, minlength=V).to(logits.dtype)
+        logits = logits - counts * p.frequency_penalty - (counts > 0).to(logits.dtype) * p.presence_penalty
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Mask (to -inf) the tokens top-k / top-p / min-p remove. logits: [V] or [S, V]
+    (already divided by the temperature). Always keeps the most likely token."""
+    V = logits.shape[-1]
+    if top_k and 0 < top_k < V:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, _NEG_INF)
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        cum = probs.cumsum(-1)
+        remove = (cum - probs) > top_p          # keep the token that crosses top_p
+        remove[..., 0] = False
+        mask = torch.zeros_like(remove).scatter(-1, sorted_idx, remove)
+        logits = logits.masked_fill(mask, _NEG_INF)
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        thresh = probs.amax(-1, keepdim=True) * min_p
+        logits = logits.masked_fill(probs < thresh, _NEG_INF)
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: Optional[int] = None):
+        self.global_gen = torch.Generator()
+        if seed is not None:
+            self.global_gen.manual_seed(seed)
+        else:
+            self.global_gen.seed()
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, req_id: str) -> None:
+        self.generators.pop(req_id, None)
+
+    def generator_for(self, req: Request) -> torch.Generator:
+        if req.params.seed is None:
+            return self.global_gen
+        g = self.generators.get(req.req_id)
+        if g is None:
+            g = torch.Generator()
+            g.manual_seed(int(req.params.seed) & 0xFFFF_FFFF_FFFF_FFFF)
+            self.generators[req.req_id] = g
+        return g
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        """logits: [S, V] float32, one row per request in `reqs`. Returns the sampled
+        token per row and, for requests with params.logprobs set, a TokenLogprob."""
+        S = logits.shape[0]
+        params = [r.params for r in reqs]
+        simple = all(p.temperature == 0.0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+                     and p.presence_penalty == 0.0 for p in params)
+        if simple:
+            tokens = logits.argmax(-1).tolist()
+        else:
+            tokens = [0] * S
+            greedy_rows, random_rows = [], []
+            rows = []
+            for i, (r, p) in enumerate(zip(reqs, params)):
+                row = logits[i]
+                if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                    row = apply_penalties(row, r.prompt_ids, r.output_ids, p)
+                rows.append(row)
+                (greedy_rows if p.temperature == 0.0 else random_rows).append(i)
+            if greedy_rows:
+                g = torch.stack([rows[i] for i in greedy_rows]).argmax(-1).tolist()
+                for i, t in zip(greedy_rows, g):
+                    tokens[i] = t
+            for i in random_rows:
+                p = params[i]
+                row = rows[i] / max(p.temperature, 1e-5)
+                row = filter_logits(row, p.top_k, p.top_p, p.min_p)
+                probs = row.softmax(-1)
+                q = torch.empty_like(probs).exponential_(1.0, generator=self.generator_for(reqs[i]))
+                tokens[i] = int((probs / q).argmax())
+        lps: list[Optional[TokenLogprob]] = [None] * S
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            idx = torch.tensor(want, dtype=torch.long)
+            lp = torch.log_softmax(logits.index_select(0, idx), -1)
+            n_top = max(int(params[i].logprobs or 0) for i in want)
+            top_v, top_i = (torch.topk(lp, n_top, dim=-1) if n_top > 0 else (None, None))
+            for j, i in enumerate(want):
+                t = tokens[i]
+                n = int(params[i].logprobs or 0)
+                top = []
+                if n > 0:
+                    top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+                lps[i] = TokenLogprob(token_id=t, logprob=float(lp[j, t]), top=top)
+        return tokens, lps

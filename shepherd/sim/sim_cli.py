@@ -1,0 +1,183 @@
+"""`shepherd simulate`: the real scheduler and routing policies over a trace, on a virtual clock.
+
+    shepherd simulate --trace FILE [--format azure|mooncake|servegen|synthetic]
+        [--model NAME] [--gpu NAME] [--tp N] [--replicas N] [--router POLICY [--router-knob K=V ...]]
+        [--max-total-tokens N] [--max-batch-size N] [--max-num-tokens N] [--admission MODE]
+        [--preemption MODE] [--policy NAME] [--no-prefix-cache] [--page-size N]
+        [--time-scale X] [--limit N] [--rate R] [--cost-model FILE|roofline|vidur|splitwise]
+        [--slo-ttft S --slo-tpot S] --out DIR
+
+Without --trace, a synthetic workload from flags: --rate/--clients, --num-requests
+or --duration, --input-len/--output-len distributions, --shared-prefix, --turns.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from shepherd.config import ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, ConfigError, SchedulerConfig
+
+
+def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
+    s = SchedulerConfig()
+    k = p.add_argument_group("scheduler (as in `shepherd serve`)")
+    k.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV capacity per replica in tokens (default: GPU memory x --mem-fraction minus weights)")
+    k.add_argument("--max-batch-size", type=int, default=s.max_batch_size)
+    k.add_argument("--max-num-tokens", type=int, default=s.max_num_tokens)
+    k.add_argument("--max-concurrency", type=int, default=s.max_concurrency)
+    k.add_argument("--max-queue", type=int, default=s.max_queue)
+    k.add_argument("--page-size", type=int, default=s.page_size)
+    k.add_argument("--host-kv-tokens", type=int, default=0, help="swap pool per replica (0 = device size)")
+    k.add_argument("--admission", choices=ADMISSION_MODES, default=s.admission)
+    k.add_argument("--preemption", choices=PREEMPTION_MODES, default=s.preemption)
+    k.add_argument("--victim", choices=VICTIMS, default=s.victim)
+    k.add_argument("--policy", choices=POLICIES, default=s.policy)
+    k.add_argument("--no-prefix-cache", action="store_true")
+    k.add_argument("--max-consecutive-prefill", type=int, default=s.max_consecutive_prefill)
+    k.add_argument("--decode-first-prefill-every", type=int, default=s.decode_first_prefill_every)
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", default=None, help="trace file (Azure CSV, Mooncake JSONL, ServeGen CSV, synthetic JSON)")
+    w.add_argument("--format", choices=["azure", "mooncake", "servegen", "synthetic"], default=None,
+                   help="trace format (default: from the file)")
+    w.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    w.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply arrival times (0.5 = twice as fast)")
+    w.add_argument("--rate", type=float, default=None,
+                   help="with --trace: rescale arrivals to this mean req/s; without: Poisson rate of one client")
+    w.add_argument("--clients", default=None, help="synthetic clients: 'a=1.5,b=3' (req/s each) or 'N@R'")
+    w.add_argument("--num-requests", type=int, default=None, help="synthetic: number of requests")
+    w.add_argument("--duration", type=float, default=None, help="synthetic: seconds of arrivals")
+    w.add_argument("--input-len", default="fixed:256", help="synthetic: fixed:N | uniform:A:B | lognormal:MEAN:SIGMA "
+                                                            "| normal:M:S | trace:FILE")
+    w.add_argument("--output-len", default="fixed:256")
+    w.add_argument("--arrival", choices=["poisson", "gamma", "constant"], default="poisson")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: CV of inter-arrival times")
+    w.add_argument("--shared-prefix", type=int, default=0, help="synthetic: shared system prompt tokens")
+    w.add_argument("--turns", type=int, default=1, help="synthetic: turns per session")
+    w.add_argument("--seed", type=int, default=0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--model", default="llama-3-8b", help="llama-3-8b | llama-2-7b | llama-2-70b | smollm2-135m")
+    c.add_argument("--gpu", default="h100", help="h100 | h200 | a100-80gb | a10g | cpu")
+    c.add_argument("--tp", type=int, default=1, choices=[1, 2, 4, 8], help="tensor parallel per replica")
+    c.add_argument("--replicas", type=int, default=1)
+    c.add_argument("--router", default="round-robin", help="routing policy (shepherd/gateway/routing.py)")
+    c.add_argument("--router-knob", action="append", default=[], metavar="K=V", help="routing policy knob")
+    c.add_argument("--cost-model", default=None,
+                   help="roofline (default), vidur, splitwise, or a JSON file from `shepherd calibrate`")
+    c.add_argument("--mem-fraction", type=float, default=0.9, help="GPU memory for weights + KV")
+    c.add_argument("--max-model-len", type=int, default=None)
+    c.add_argument("--max-tokens", type=int, default=None,
+                   help="requests ask for this many tokens and stop (EOS) at the trace's length; "
+                        "default: max_tokens = the trace's output length")
+    add_scheduler_arguments(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", required=True, help="output folder (summary.json, records, plots)")
+    o.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT SLO, seconds")
+    o.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT SLO, seconds")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--records", action="store_true", help="also write records.jsonl (every token time; large)")
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--slow", action="store_true", help="step one by one (no decode fast path)")
+    o.add_argument("--title", default="")
+
+
+def scheduler_config(args) -> SchedulerConfig:
+    cfg = SchedulerConfig(
+        max_total_tokens=args.max_total_tokens or SchedulerConfig.max_total_tokens,
+        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+        max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
+        admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
+        prefix_cache=not args.no_prefix_cache, max_consecutive_prefill=args.max_consecutive_prefill,
+        decode_first_prefill_every=args.decode_first_prefill_every, seed=args.seed)
+    return cfg
+
+
+def build_workload(args):
+    from shepherd.sim import traces as T
+    if args.trace:
+        return T.load_trace(args.trace, args.format, limit=args.limit, time_scale=args.time_scale,
+                            rate=args.rate, seed=args.seed)
+    if args.clients:
+        clients = T.parse_clients(args.clients, input_len=args.input_len, output_len=args.output_len,
+                                  arrival=args.arrival, cv=args.burstiness,
+                                  system_prompt_tokens=args.shared_prefix, turns=args.turns)
+    elif args.rate:
+        clients = [T.ClientSpec("default", rate=args.rate, input_len=args.input_len, output_len=args.output_len,
+                                arrival=args.arrival, cv=args.burstiness, system_prompt_tokens=args.shared_prefix,
+                                turns=args.turns)]
+    else:
+        raise SystemExit("shepherd simulate: give --trace FILE, or --rate R / --clients SPEC for a synthetic workload")
+    n = args.num_requests if args.num_requests is not None else args.limit
+    if n is None and args.duration is None:
+        n = 1000
+    reqs = T.synthetic(T.SyntheticSpec(clients=clients, num_requests=n, duration=args.duration, seed=args.seed))
+    return T.apply_time(reqs, args.time_scale)
+
+
+def main(args) -> int:
+    from shepherd.bench.report import format_table, write_report
+    from shepherd.sim.cost_model import make_cost_model
+    from shepherd.sim.simulator import SimConfig, Simulator
+    from shepherd.sim.traces import TraceFormatError
+
+    try:
+        sched = scheduler_config(args)
+        workload = build_workload(args)
+    except (TraceFormatError, ValueError, ConfigError, FileNotFoundError) as e:
+        print(f"shepherd simulate: {e}", file=sys.stderr)
+        return 2
+    knobs = {}
+    for kv in args.router_knob:
+        if "=" not in kv:
+            print(f"shepherd simulate: --router-knob {kv!r}: expected K=V", file=sys.stderr)
+            return 2
+        k, v = kv.split("=", 1)
+        knobs[k] = v
+    cfg = SimConfig(model=args.model, gpu=args.gpu, tp=args.tp, replicas=args.replicas, router=args.router,
+                    router_knobs=knobs, scheduler=sched, kv_capacity=args.max_total_tokens,
+                    mem_fraction=args.mem_fraction, host_kv_tokens=args.host_kv_tokens,
+                    max_model_len=args.max_model_len, max_tokens=args.max_tokens, fast=not args.slow,
+                    seed=args.seed, progress=not args.no_progress)
+    try:
+        cost = make_cost_model(args.model, args.gpu, tp=args.tp, cost_model=args.cost_model)
+        sim = Simulator(cfg, cost)
+        sched.max_total_tokens = sim.kv_capacity
+        sched.validate()
+    except (KeyError, ValueError, ConfigError, FileNotFoundError) as e:
+        print(f"shepherd simulate: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    result = sim.run(workload)
+    wall = time.perf_counter() - t0
+    summary = result.summary(slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
+                             extra={"trace": args.trace, "workload_requests": len(workload)})
+    summary["wall_s"] = wall
+    out = Path(args.out)
+    write_report(out, summary, result.records, result.timeseries, plots=not args.no_plots,
+                 title=args.title or (Path(args.trace).stem if args.trace else "synthetic"))
+    if args.records:
+        write_records(out / "records.jsonl", result.records)
+    print(format_table(summary))
+    print(f"simulated {len(workload)} requests, {result.steps:,} steps ({result.fast_steps:,} fast-forwarded) "
+          f"in {wall:.2f} s wall; cost model {result.cost_model}; wrote {out}/")
+    return 0
+
+
+def write_records(path, records) -> None:
+    from dataclasses import asdict
+    with open(path, "w") as f:
+        for r in records:
+            d = asdict(r)
+            d["intervals"] = [list(iv) for iv in d["intervals"]]
+            f.write(json.dumps(d, separators=(",", ":")) + "\n")

@@ -1,0 +1,412 @@
+"""Engine loop: continuous batching, detokenisation, stop strings, abort, limits,
+crash and watchdog behaviour, metrics. No model: a scripted executor (or the
+simulated one) with the real tokenizer."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from shepherd.config import EngineConfig, SchedulerConfig
+from shepherd.engine.engine import WATCHDOG_EXIT_CODE, Engine, EngineDeadError, QueueFull
+from shepherd.engine.executor import StepResult
+from shepherd.model.loader import load_tokenizer
+from shepherd.request import SamplingParams, TokenLogprob
+
+TEXT = "Hello world, this is a test. Stop here! And then some more words follow."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+class ScriptedExecutor:
+    """Emits `script` (token ids) in order for every request, then EOS; optional
+    per-step delay and a gate that blocks steps until opened."""
+
+    def __init__(self, tokenizer, script, kv_capacity=4096, max_model_len=2048, delay=0.0, fail_at=None):
+        self.tokenizer = tokenizer
+        self.script = list(script)
+        self.kv_capacity = kv_capacity
+        self.host_kv_capacity = 0
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        self.model_name = "scripted"
+        self.delay = delay
+        self.fail_at = fail_at
+        self.gate = threading.Event()
+        self.gate.set()
+        self.steps = 0
+        self.batch_sizes: list[int] = []
+        self.released: list[str] = []
+
+    def execute(self, batch):
+        self.gate.wait()
+        self.steps += 1
+        if self.fail_at is not None and self.steps >= self.fail_at:
+            raise RuntimeError("injected executor failure")
+        if self.delay:
+            time.sleep(self.delay)
+        self.released.extend(batch.released)
+        self.batch_sizes.append(len(batch.seqs))
+        res = StepResult(step_time=self.delay)
+        for s in batch.seqs:
+            if not s.sample:
+                continue
+            k = len(s.req.output_ids)
+            tid = self.script[k] if k < len(self.script) else self.eos_token_ids[0]
+            res.tokens[s.req_id] = tid
+            if s.req.params.logprobs is not None:
+                res.logprobs[s.req_id] = TokenLogprob(tid, -0.5, [(tid, -0.5), (0, -2.0)][: s.req.params.logprobs])
+        return res
+
+
+def make_engine(tok, script=None, sched=None, **kw):
+    ex = ScriptedExecutor(tok, script if script is not None else tok.encode(TEXT), **kw)
+    cfg = EngineConfig(executor="sim", watchdog_timeout=30.0, scheduler=sched or SchedulerConfig())
+    return Engine(cfg, executor=ex, tokenizer=tok), ex
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def collect(stream):
+    outs = [o async for o in stream]
+    return outs
+
+
+def joined(outs):
+    return "".join(o.text for o in outs)
+
+
+async def wait_idle(engine, timeout=5.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = engine.stats()
+        if st.num_running == 0 and st.num_waiting == 0 and st.kv_used == 0:
+            return st
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+def test_generates_script_then_eos(tok):
+    async def main():
+        engine, ex = make_engine(tok)
+        await engine.start()
+        try:
+            ids = tok.encode("prompt text")
+            outs = await collect(await engine.submit(ids, SamplingParams(max_tokens=100, temperature=0)))
+            assert sum(o.finished for o in outs) == 1 and outs[-1].finished
+            assert outs[-1].finish_reason == "stop"
+            assert joined(outs) == TEXT
+            # the EOS token is counted but its text is not emitted
+            assert outs[-1].completion_tokens == len(tok.encode(TEXT)) + 1
+            assert outs[-1].prompt_tokens == len(ids)
+            await wait_idle(engine)
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_max_tokens_length(tok):
+    async def main():
+        engine, _ = make_engine(tok)
+        await engine.start()
+        try:
+            outs = await collect(await engine.submit(tok.encode("x"), SamplingParams(max_tokens=3)))
+            assert outs[-1].finish_reason == "length"
+            assert outs[-1].completion_tokens == 3
+            assert joined(outs) == tok.decode(tok.encode(TEXT)[:3])
+        finally:
+            await engine.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("stop,expected", [
+    ("world, th", "Hello "),              # spans three tokens
+    ("s a te", "Hello world, this i"),    # starts and ends mid-token
+    (". Stop", "Hello world, this is a test"),
+    ("not in the text", TEXT),
+])
+def test_stop_strings_spanning_tokens(tok, stop, expected):
+    async def main():
+        engine, _ = make_engine(tok)
+        await engine.start()
+        try:
+            outs = await collect(await engine.submit(tok.encode("p"), SamplingParams(max_tokens=100, stop=[stop])))
+            assert joined(outs) == expected
+            assert outs[-1].finish_reason == "stop"
+            # no delta ever contained text past the stop point
+            acc = ""
+            for o in outs:
+                acc += o.text
+                assert expected.startswith(acc)
+            await wait_idle(engine)
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_holdback_of_possible_stop_prefix(tok):
+    """Text that could start a stop string is held back until it is known not to be one."""
+    async def main():
+        engine, _ = make_engine(tok)
+        await engine.start()
+        try:
+            stream = await engine.submit(tok.encode("p"), SamplingParams(max_tokens=100, stop=["world peace"]))
+            outs = await collect(stream)
+            assert joined(outs) == TEXT
+            acc = ""
+            for o in outs:
+                acc += o.text
+                if not o.finished:
+                    # " world" was withheld while it could still become "world peace"
+                    assert not acc.endswith("world")
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_stop_token_ids_and_ignore_eos(tok):
+    script = tok.encode(TEXT)
+    async def main():
+        engine, _ = make_engine(tok)
+        await engine.start()
+        try:
+            stop_id = script[3]  # " this"
+            outs = await collect(await engine.submit(tok.encode("p"),
+                                                     SamplingParams(max_tokens=100, stop_token_ids=[stop_id])))
+            assert outs[-1].finish_reason == "stop"
+            assert joined(outs) == "Hello world,"
+            outs = await collect(await engine.submit(tok.encode("p"),
+                                                     SamplingParams(max_tokens=len(script) + 3, ignore_eos=True)))
+            assert outs[-1].finish_reason == "length"
+            assert outs[-1].completion_tokens == len(script) + 3
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_logprobs_pass_through(tok):
+    async def main():
+        engine, _ = make_engine(tok)
+        await engine.start()
+        try:
+            outs = await collect(await engine.submit(tok.encode("p"), SamplingParams(max_tokens=4, logprobs=2)))
+            lps = [lp for o in outs for lp in o.logprobs]
+            ids = [t for o in outs for t in o.token_ids]
+            assert len(lps) == len(ids) == 4
+            assert [lp.token_id for lp in lps] == ids
+            assert all(len(lp.top) == 2 for lp in lps)
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_continuous_batching_joins_next_step(tok):
+    async def main():
+        engine, ex = make_engine(tok, script=tok.encode(TEXT * 3), delay=0.005)
+        await engine.start()
+        try:
+            s1 = await engine.submit(tok.encode("a"), SamplingParams(max_tokens=40, ignore_eos=True))
+            first = await s1.__anext__()
+            assert first.token_ids
+            s2 = await engine.submit(tok.encode("b"), SamplingParams(max_tokens=5, ignore_eos=True))
+            o2 = await collect(s2)
+            assert o2[-1].finish_reason == "length"
+            o1 = await collect(s1)
+            assert o1[-1].finish_reason == "length"
+            assert 2 in ex.batch_sizes          # both ran in one step
+            assert ex.batch_sizes[-1] == 1      # the short one left early
+            await wait_idle(engine)
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_abort_frees_kv_within_a_step(tok):
+    async def main():
+        engine, ex = make_engine(tok, script=tok.encode(TEXT * 5), delay=0.01)
+        await engine.start()
+        try:
+            stream = await engine.submit(tok.encode("some prompt"), SamplingParams(max_tokens=500, ignore_eos=True))
+            got = 0
+            async for o in stream:
+                got += len(o.token_ids)
+                if got >= 3:
+                    break
+            assert engine.stats().kv_used > 0
+            steps_before = ex.steps
+            stream.abort()
+            rest = await collect(stream)
+            assert rest[-1].finished and rest[-1].finish_reason == "abort"
+            st = await wait_idle(engine)
+            assert st.kv_free + st.kv_evictable == st.kv_capacity
+            assert ex.steps - steps_before <= 2
+            stream.abort()  # idempotent
+            engine.abort("no-such-request")
+            # the engine keeps serving
+            outs = await collect(await engine.submit(tok.encode("again"), SamplingParams(max_tokens=2)))
+            assert outs[-1].finish_reason == "length"
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_queue_full_and_nothing_lost(tok):
+    async def main():
+        sched = SchedulerConfig(max_batch_size=1, max_queue=2, max_concurrency=3)
+        engine, ex = make_engine(tok, sched=sched, delay=0.002)
+        await engine.start()
+        try:
+            # all submitted at once: they land in one intake drain, beyond the limits -> QueueFull
+            res = await asyncio.gather(*(engine.submit(tok.encode(f"req {i}"), SamplingParams(max_tokens=4))
+                                         for i in range(8)), return_exceptions=True)
+            streams = [r for r in res if not isinstance(r, BaseException)]
+            rejected = [r for r in res if isinstance(r, BaseException)]
+            assert streams and rejected
+            for e in rejected:
+                assert isinstance(e, QueueFull) and e.retry_after > 0
+            results = await asyncio.gather(*(collect(s) for s in streams))
+            for outs in results:
+                assert sum(o.finished for o in outs) == 1
+                assert outs[-1].finish_reason in ("length", "stop")
+            await wait_idle(engine)
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_engine_crash_fails_pending_requests(tok):
+    async def main():
+        engine, ex = make_engine(tok, fail_at=3, delay=0.05)
+        await engine.start()
+        streams = await asyncio.gather(*(engine.submit(tok.encode(f"r{i}"),
+                                                       SamplingParams(max_tokens=50, ignore_eos=True))
+                                         for i in range(3)))
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        for outs in results:
+            assert outs[-1].finished and outs[-1].finish_reason == "error"
+            assert "injected executor failure" in outs[-1].error
+            assert outs[-1].error_kind == "engine"
+        assert not engine.alive
+        with pytest.raises(EngineDeadError):
+            await engine.submit(tok.encode("late"), SamplingParams(max_tokens=2))
+        await engine.stop()
+    run(main())
+
+
+def test_stop_aborts_inflight(tok):
+    async def main():
+        engine, _ = make_engine(tok, delay=0.01, script=tok.encode(TEXT * 5))
+        await engine.start()
+        stream = await engine.submit(tok.encode("p"), SamplingParams(max_tokens=1000, ignore_eos=True))
+        await stream.__anext__()
+        await engine.stop()
+        outs = await collect(stream)
+        assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    run(main())
+
+
+def test_watchdog_callback(tok):
+    fired = threading.Event()
+
+    async def main():
+        ex = ScriptedExecutor(tok, tok.encode(TEXT), delay=1.0)
+        cfg = EngineConfig(executor="sim", watchdog_timeout=0.2)
+        engine = Engine(cfg, executor=ex, tokenizer=tok, on_watchdog=lambda elapsed: fired.set())
+        await engine.start()
+        try:
+            stream = await engine.submit(tok.encode("p"), SamplingParams(max_tokens=1))
+            await collect(stream)
+        finally:
+            await engine.stop()
+    run(main())
+    assert fired.is_set()
+
+
+def test_watchdog_exits_process_with_stacks():
+    script = textwrap.dedent("""
+        import asyncio, time, threading
+        from shepherd.config import EngineConfig
+        from shepherd.engine.engine import Engine
+        from shepherd.engine.executor import StepResult
+        from shepherd.model.loader import load_tokenizer
+        from shepherd.request import SamplingParams
+
+        class Hang:
+            kv_capacity = 1024; host_kv_capacity = 0; max_model_len = 512; eos_token_ids = (2,)
+            model_name = "hang"
+            def execute(self, batch):
+                time.sleep(60)
+                return StepResult()
+
+        async def main():
+            tok = load_tokenizer(None)
+            e = Engine(EngineConfig(executor="sim", watchdog_timeout=0.3), executor=Hang(), tokenizer=tok)
+            await e.start()
+            s = await e.submit([1, 2, 3], SamplingParams(max_tokens=2))
+            async for _ in s:
+                pass
+        asyncio.run(main())
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.returncode == WATCHDOG_EXIT_CODE, p.stderr[-2000:]
+    assert "watchdog" in p.stderr
+    assert "shepherd-engine" in p.stderr or "Thread 0x" in p.stderr
+    assert "execute" in p.stderr  # the hung frame is in the dump
+
+
+def test_metrics_per_engine_registry(tok):
+    async def main():
+        e1, _ = make_engine(tok)
+        e2, _ = make_engine(tok)
+        await e1.start()
+        await e2.start()
+        try:
+            await collect(await e1.submit(tok.encode("hello there"), SamplingParams(max_tokens=3)))
+            await wait_idle(e1)
+            text = e1.metrics.render().decode()
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                         "vllm:gpu_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prompt_tokens_total",
+                         "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                         "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                         "vllm:request_queue_time_seconds_bucket", "vllm:prefix_cache_queries_total",
+                         "vllm:prefix_cache_hits_total", "shepherd:kv_free_tokens", "shepherd:kv_evictable_tokens",
+                         "shepherd:kv_used_tokens", "shepherd:kv_capacity_tokens"):
+                assert name in text, name
+            assert 'vllm:generation_tokens_total{model_name="scripted"} 3.0' in text
+            assert 'vllm:num_requests_running{model_name="scripted"} 0.0' in text
+            assert 'vllm:generation_tokens_total{model_name="scripted"} 0.0' in e2.metrics.render().decode()
+        finally:
+            await e1.stop()
+            await e2.stop()
+    run(main())
+
+
+def test_sim_executor_engine_serves(tok):
+    """The simulated executor with the real tokenizer runs end to end through the engine."""
+    async def main():
+        cfg = EngineConfig(executor="sim", max_total_tokens=4096)
+        engine = Engine(cfg)
+        assert engine.kv_capacity > 0
+        await engine.start()
+        try:
+            streams = [await engine.submit(tok.encode(f"hello {i}"), SamplingParams(max_tokens=8, seed=i))
+                       for i in range(4)]
+            results = await asyncio.gather(*(collect(s) for s in streams))
+            for outs in results:
+                assert sum(o.finished for o in outs) == 1
+                assert outs[-1].finish_reason in ("stop", "length")
+                assert 1 <= outs[-1].completion_tokens <= 8
+            await wait_idle(engine)
+        finally:
+            await engine.stop()
+    run(main())

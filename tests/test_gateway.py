@@ -1,0 +1,405 @@
+"""The gateway in-process against small fake OpenAI backends (tests/gateway_fakes.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import httpx
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gateway_fakes import FakeBackend, ServerThread  # noqa: E402
+
+from shepherd.gateway.app import Gateway, GatewayConfig  # noqa: E402
+from shepherd.gateway.backends import BackendPool, HealthConfig, parse_backend_metrics, read_backend_file  # noqa: E402
+from shepherd.gateway.routing import make_policy  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def wait_for(cond, timeout=5.0, step=0.02):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+class Cluster:
+    def __init__(self, n=2, policy="round-robin", health=None, cfg=None, backend_file=None, fakes=None,
+                 **fake_kw):
+        self.fakes = fakes or [FakeBackend(name=f"m{i}", **fake_kw) for i in range(n)]
+        self.servers = [ServerThread(f).start() for f in self.fakes]
+        self.health = health or HealthConfig(health_interval=0.05, metrics_interval=0.05, file_interval=0.05,
+                                             fail_threshold=3, success_threshold=2)
+        urls = [] if backend_file else [s.url for s in self.servers]
+        self.pool = BackendPool(urls, health=self.health, backend_file=backend_file)
+        self.gw = Gateway(self.pool, make_policy(policy),
+                          cfg or GatewayConfig(retries=2, retry_backoff=0.001, read_timeout=5.0,
+                                               connect_timeout=1.0))
+        self.gws = ServerThread(self.gw).start()
+        self.client = httpx.Client(base_url=self.gws.url, timeout=15.0)
+
+    def close(self):
+        self.client.close()
+        self.gws.stop()
+        for s in self.servers:
+            s.stop()
+
+    def in_flight(self):
+        return [b.state.in_flight for b in self.pool.backends()], self.gw.in_flight
+
+    def idle(self):
+        per, total = self.in_flight()
+        return total == 0 and all(x == 0 for x in per)
+
+
+@pytest.fixture
+def cluster_factory():
+    made = []
+
+    def make(**kw):
+        c = Cluster(**kw)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.close()
+
+
+def post_stream(client, body, path="/v1/completions"):
+    body = dict(body, stream=True)
+    with client.stream("POST", path, json=body) as r:
+        return r.status_code, dict(r.headers), b"".join(r.iter_raw())
+
+
+BODY = {"model": "m", "prompt": "hello there", "max_tokens": 5}
+
+
+# --- pass-through --------------------------------------------------------------------------
+
+def test_streaming_pass_through_is_byte_identical(cluster_factory):
+    c = cluster_factory(n=1)
+    with httpx.Client(base_url=c.servers[0].url) as direct:
+        st0, _, want = post_stream(direct, BODY)
+    st, headers, got = post_stream(c.client, BODY)
+    assert st == st0 == 200
+    assert got == want
+    assert headers["content-type"].startswith("text/event-stream")
+    assert headers["x-shepherd-backend"] == c.servers[0].url
+    # chat too
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    assert post_stream(c.client, chat, "/v1/chat/completions")[2] == \
+        post_stream(httpx.Client(base_url=c.servers[0].url), chat, "/v1/chat/completions")[2]
+
+
+def test_streaming_is_not_buffered(cluster_factory):
+    c = cluster_factory(n=1, chunk_delay=0.3)
+    t0 = time.time()
+    with c.client.stream("POST", "/v1/completions", json=dict(BODY, stream=True, max_tokens=4)) as r:
+        it = r.iter_raw()
+        first = next(it)
+        t_first = time.time() - t0
+        rest = b"".join(it)
+        t_all = time.time() - t0
+    assert first.startswith(b"data: ")
+    assert t_first < 0.25 and t_all > 0.9, (t_first, t_all)
+    assert rest.endswith(b"data: [DONE]\n\n")
+
+
+def test_non_streaming_pass_through(cluster_factory):
+    c = cluster_factory(n=1)
+    r = c.client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200
+    assert r.content == c.fakes[0].json_answer(BODY)
+    assert c.fakes[0].bodies[-1] == BODY            # body forwarded unchanged
+
+
+def test_models_merged_health_and_metrics(cluster_factory):
+    c = cluster_factory(n=2)
+    ids = sorted(m["id"] for m in c.client.get("/v1/models").json()["data"])
+    assert ids == ["m0", "m1"]
+    h = c.client.get("/health")
+    assert h.status_code == 200 and h.json()["healthy_backends"] == 2
+    for _ in range(4):
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+    text = c.client.get("/metrics").text
+    for name in ("shepherd_gateway_requests_total", "shepherd_gateway_in_flight",
+                 "shepherd_gateway_routing_decisions_total", "shepherd_gateway_retries_total",
+                 "shepherd_gateway_backend_healthy"):
+        assert name in text, name
+    assert f'shepherd_gateway_requests_total{{backend="{c.servers[0].url}",status="200"}} 2.0' in text
+    assert 'shepherd_gateway_routing_decisions_total{policy="round-robin",reason="rr"} 4.0' in text
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw,param", [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (json.dumps({"model": "m"}).encode(), "prompt"),
+    (json.dumps({"model": "m", "prompt": "x", "stream": "yes"}).encode(), "stream"),
+    (json.dumps({"model": "m", "prompt": {"a": 1}}).encode(), "prompt"),
+])
+def test_bad_input_is_400_openai_style(cluster_factory, raw, param):
+    c = cluster_factory(n=1)
+    r = c.client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
+    r = c.client.post("/v1/chat/completions", json={"model": "m", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert c.fakes[0].requests == 0
+
+
+def test_client_4xx_passes_through_and_is_not_a_failure(cluster_factory):
+    c = cluster_factory(n=1)
+    c.fakes[0].mode = "bad400"
+    for _ in range(10):
+        r = c.client.post("/v1/completions", json=BODY)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "bad prompt"
+    b = c.pool.backends()[0]
+    assert b.healthy and b.consecutive_failures == 0 and b.total_failures == 0
+    assert c.fakes[0].requests == 10                 # never retried either
+
+
+# --- retries -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["fail500", "die_before_first", "overload503"])
+def test_retry_on_another_replica_before_first_byte(cluster_factory, mode):
+    c = cluster_factory(n=2, policy="round-robin")
+    c.fakes[0].mode = mode
+    for i in range(6):
+        st, _, data = post_stream(c.client, BODY)
+        assert st == 200 and data.endswith(b"data: [DONE]\n\n")
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+    # die_before_first only affects streams
+    assert c.fakes[1].requests >= (6 if mode == "die_before_first" else 12)
+    assert 'shepherd_gateway_retries_total' in c.client.get("/metrics").text
+    assert wait_for(c.idle)
+
+
+def test_retry_when_backend_is_down(cluster_factory):
+    c = cluster_factory(n=2, policy="round-robin",
+                        health=HealthConfig(health_interval=10, metrics_interval=0))
+    c.servers[0].stop()                                # connection refused, still listed as healthy
+    for _ in range(4):
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+    b0 = c.pool.backends()[0]
+    assert b0.total_failures >= 2
+    assert wait_for(c.idle)
+
+
+def test_all_replicas_fail_gives_the_last_answer_or_502(cluster_factory):
+    c = cluster_factory(n=2)
+    for f in c.fakes:
+        f.mode = "overload503"
+    r = c.client.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and r.json()["error"]["message"] == "busy"
+    for s in c.servers:
+        s.stop()
+    r = c.client.post("/v1/completions", json=BODY)
+    assert r.status_code in (502, 503) and "error" in r.json()
+    assert wait_for(c.idle)
+
+
+def test_error_event_after_first_byte_and_no_retry(cluster_factory):
+    c = cluster_factory(n=2, policy="round-robin")
+    for f in c.fakes:
+        f.mode = "die_after_first"
+    t0 = time.time()
+    st, _, data = post_stream(c.client, BODY)
+    assert st == 200 and time.time() - t0 < 5
+    events = [e for e in data.split(b"\n\n") if e]
+    assert events[0].startswith(b"data: {") and b"tok0" in events[0]
+    err = json.loads(events[-1][len(b"data: "):])
+    assert err["error"]["type"] == "upstream_error"
+    assert c.fakes[0].requests + c.fakes[1].requests == 1       # not retried after the first byte
+    assert 'shepherd_gateway_errors_total{kind="stream_error"} 1.0' in c.client.get("/metrics").text
+    assert wait_for(c.idle)
+
+
+def test_timeout_before_headers_is_retried_and_nothing_hangs(cluster_factory):
+    c = cluster_factory(n=2, policy="round-robin",
+                        cfg=GatewayConfig(retries=1, retry_backoff=0.001, read_timeout=0.3, connect_timeout=0.5))
+    c.fakes[0].mode = "hang"
+    t0 = time.time()
+    for _ in range(2):
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+    assert time.time() - t0 < 3
+    c.fakes[1].mode = "hang"
+    r = c.client.post("/v1/completions", json=BODY)
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+    assert wait_for(c.idle)
+
+
+# --- in-flight accounting ------------------------------------------------------------------
+
+def test_in_flight_returns_to_zero_after_client_aborts(cluster_factory):
+    c = cluster_factory(n=2, chunk_delay=0.2, chunks=20)
+    for _ in range(4):
+        with c.client.stream("POST", "/v1/completions", json=dict(BODY, stream=True, max_tokens=20)) as r:
+            next(r.iter_raw())
+            per, total = c.in_flight()
+            assert total == 1 and sum(per) == 1
+        # leaving the block closes the connection mid-stream
+    assert wait_for(c.idle, timeout=5), c.in_flight()
+    assert wait_for(lambda: sum(f.aborted for f in c.fakes) == 4, timeout=5)    # aborts reach the backend
+    assert 'kind="client_abort"' in c.client.get("/metrics").text
+    # abort while waiting for headers (backend hangs)
+    c.fakes[0].mode = c.fakes[1].mode = "hang"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(c.gws.url + "/v1/completions", json=BODY, timeout=0.3)
+    assert wait_for(c.idle, timeout=5), c.in_flight()
+
+
+def test_in_flight_counts_concurrent_requests_and_returns_to_zero(cluster_factory):
+    import concurrent.futures as cf
+    c = cluster_factory(n=2, chunk_delay=0.05, chunks=4, policy="least-request")
+    c.fakes[1].mode = "fail500"
+    with cf.ThreadPoolExecutor(16) as ex:
+        futs = [ex.submit(post_stream, c.client, BODY) for _ in range(40)]
+        seen = 0
+        while not all(f.done() for f in futs):
+            seen = max(seen, c.gw.in_flight)
+            time.sleep(0.005)
+        assert all(f.result()[0] == 200 for f in futs)
+    assert seen > 1
+    assert wait_for(c.idle), c.in_flight()
+
+
+# --- health ----------------------------------------------------------------------------
+
+def test_ejection_and_readmission(cluster_factory):
+    c = cluster_factory(n=2, policy="round-robin",
+                        health=HealthConfig(health_interval=0.05, metrics_interval=0, fail_threshold=3,
+                                            success_threshold=3))
+    c.fakes[0].mode = "health_fail"
+    b0 = c.pool.backends()[0]
+    assert wait_for(lambda: not b0.healthy, timeout=3)
+    before = c.fakes[0].requests
+    for _ in range(6):
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+    assert c.fakes[0].requests == before                        # no traffic while ejected
+    assert 'shepherd_gateway_backend_healthy{backend="%s"} 0.0' % b0.url in c.client.get("/metrics").text
+    c.fakes[0].mode = "ok"
+    assert wait_for(lambda: b0.healthy, timeout=3)
+    for _ in range(6):
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+    assert c.fakes[0].requests > before
+    assert b0.ejections == 1
+
+
+def test_passive_ejection_from_request_failures(cluster_factory):
+    c = cluster_factory(n=2, policy="round-robin",
+                        health=HealthConfig(health_interval=30, metrics_interval=0, fail_threshold=2))
+    c.fakes[0].mode = "fail500"          # /health still answers 200, requests fail
+    for _ in range(6):
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+    assert not c.pool.backends()[0].healthy
+    assert c.fakes[0].requests == 2
+
+
+def test_no_healthy_backend_is_503(cluster_factory):
+    c = cluster_factory(n=1, health=HealthConfig(health_interval=0.05, metrics_interval=0, fail_threshold=1))
+    c.fakes[0].mode = "health_fail"
+    assert wait_for(lambda: not c.pool.backends()[0].healthy)
+    r = c.client.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    assert c.client.get("/health").status_code == 503
+
+
+# --- metrics scraping ----------------------------------------------------------------------
+
+def test_parse_backend_metrics_vllm_and_sglang():
+    vllm = ('# HELP x\nvllm:num_requests_running{model_name="a"} 3.0\nvllm:num_requests_running{model_name="b"} 2.0\n'
+            'vllm:num_requests_waiting{model_name="a"} 4.0\nvllm:gpu_cache_usage_perc{model_name="a"} 0.25\n')
+    assert parse_backend_metrics(vllm) == {"running": 5, "waiting": 4, "kv_usage": 0.25}
+    sg = 'sglang:num_running_reqs{x="1"} 7\nsglang:num_queue_reqs{x="1"} 1\nsglang:token_usage{x="1"} 0.5\n'
+    assert parse_backend_metrics(sg) == {"running": 7, "waiting": 1, "kv_usage": 0.5}
+    assert parse_backend_metrics("vllm:kv_cache_usage_perc 55\n")["kv_usage"] == 0.55
+    assert parse_backend_metrics("garbage\n\n# nothing") == {"running": None, "waiting": None, "kv_usage": None}
+
+
+def test_backend_metrics_are_scraped(cluster_factory):
+    fakes = [FakeBackend("a", running=7, waiting=2, kv=0.4), FakeBackend("b", metric_style="sglang", running=1, kv=0.9)]
+    c = cluster_factory(fakes=fakes, policy="least-request")
+    a, b = c.pool.backends()
+    assert wait_for(lambda: a.state.running == 7 and b.state.kv_usage == 0.9, timeout=3)
+    assert (a.state.waiting, a.state.kv_usage, b.state.running) == (2, 0.4, 1)
+    # least-request sees a's 9 requests: everything goes to b
+    for _ in range(4):
+        assert c.client.post("/v1/completions", json=BODY).headers["x-shepherd-backend"] == b.url
+
+
+# --- membership ------------------------------------------------------------------------------
+
+def test_backend_file_is_reloaded(cluster_factory, tmp_path):
+    fakes = [FakeBackend("a"), FakeBackend("b")]
+    servers = [ServerThread(f).start() for f in fakes]
+    path = tmp_path / "backends.txt"
+    path.write_text(f"# replicas\n{servers[0].url}\n")
+    try:
+        c = cluster_factory(fakes=[FakeBackend("unused")], backend_file=str(path))
+        assert [b.url for b in c.pool.backends()] == [servers[0].url]
+        path.write_text(f"{servers[0].url}\n{servers[1].url}  # second\n")
+        assert wait_for(lambda: len(c.pool.backends()) == 2, timeout=3)
+        path.write_text(f"[\"{servers[1].url}\"]")
+        assert wait_for(lambda: [b.url for b in c.pool.backends()] == [servers[1].url], timeout=3)
+        for _ in range(3):
+            assert c.client.post("/v1/completions", json=BODY).headers["x-shepherd-backend"] == servers[1].url
+        path.write_text("not a url at all ://")      # unreadable: keep the current set
+        time.sleep(0.3)
+        assert [b.url for b in c.pool.backends()] == [servers[1].url]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_read_backend_file_formats(tmp_path):
+    p = tmp_path / "f"
+    p.write_text("127.0.0.1:1\nhttp://h:2/v1/\n\n# c\n")
+    assert read_backend_file(str(p)) == ["http://127.0.0.1:1", "http://h:2"]
+    p.write_text('{"backends": ["http://x:3"]}')
+    assert read_backend_file(str(p)) == ["http://x:3"]
+
+
+def test_admin_add_and_remove(cluster_factory):
+    c = cluster_factory(n=1)
+    extra = ServerThread(FakeBackend("extra")).start()
+    try:
+        r = c.client.post("/admin/backends", json={"url": extra.url})
+        assert r.status_code == 200 and r.json()["added"] == extra.url
+        assert len(c.client.get("/admin/backends").json()["backends"]) == 2
+        ids = sorted(m["id"] for m in c.client.get("/v1/models").json()["data"])
+        assert ids == ["extra", "m0"]
+        r = c.client.request("DELETE", "/admin/backends", json={"url": c.servers[0].url})
+        assert r.status_code == 200
+        for _ in range(3):
+            assert c.client.post("/v1/completions", json=BODY).headers["x-shepherd-backend"] == extra.url
+        assert c.client.delete("/admin/backends", params={"url": "http://nope:1"}).status_code == 404
+        assert c.client.post("/admin/backends", json={}).status_code == 400
+    finally:
+        extra.stop()
+
+
+def test_cli_parses_and_rejects_bad_config():
+    import argparse
+    from shepherd.gateway import gateway_cli
+    p = argparse.ArgumentParser()
+    gateway_cli.add_arguments(p)
+    gw, name = gateway_cli.build_gateway(p.parse_args(
+        ["--backend", "127.0.0.1:9", "--policy", "weighted", "--scorer-weights", "prefix=3,load=1"]))
+    assert name == "weighted" and gw.policy.weights == {"prefix": 3.0, "load": 1.0}
+    gw, _ = gateway_cli.build_gateway(p.parse_args(
+        ["--backend", "http://a:1", "--policy", "prefix-aware", "--policy-knob", "block_size=32"]))
+    assert gw.policy.block_size == 32
+    for bad in (["--policy", "least-request"], ["--backend", "x:1", "--policy", "nope"],
+                ["--backend", "x:1", "--policy", "prefix-aware", "--policy-knob", "zzz=1"],
+                ["--backend", "ftp://x"]):
+        with pytest.raises(ValueError):
+            gateway_cli.build_gateway(p.parse_args(bad))
+    assert gateway_cli.main(p.parse_args(["--backend", "x:1", "--policy", "nope"])) == 2

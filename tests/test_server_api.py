@@ -1,0 +1,436 @@
+"""The OpenAI-compatible HTTP API, in process: a uvicorn server on a free port
+in a thread, over an Engine with a scripted executor (deterministic text) or
+the simulated executor, both with the real tokenizer. No model weights."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from shepherd.config import EngineConfig, SchedulerConfig, ServerConfig
+from shepherd.engine.engine import Engine
+from shepherd.model.loader import load_tokenizer
+from shepherd.server.openai_api import build_app
+
+try:
+    from test_engine import TEXT, ScriptedExecutor
+except ImportError:  # pragma: no cover - when tests/ is a package
+    from tests.test_engine import TEXT, ScriptedExecutor
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, engine: Engine, server_cfg: ServerConfig | None = None):
+        self.engine = engine
+        self.port = free_port()
+        self.app = build_app(engine, server_cfg or ServerConfig())
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            assert self.thread.is_alive(), "server thread died"
+            assert time.monotonic() - t0 < 30, "server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def scripted(tok):
+    ex = ScriptedExecutor(tok, tok.encode(TEXT), kv_capacity=4096, max_model_len=2048, delay=0.002)
+    engine = Engine(EngineConfig(executor="sim", watchdog_timeout=60), executor=ex, tokenizer=tok)
+    with ServerThread(engine) as srv:
+        srv.executor = ex
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(scripted):
+    with httpx.Client(base_url=scripted.url, timeout=30) as c:
+        yield c
+
+
+def sse_events(text: str) -> list:
+    """Parse an SSE body strictly: only `data: ...` events separated by blank lines."""
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events = text.split("\n\n")
+    assert events[-1] == ""
+    out = []
+    for e in events[:-1]:
+        assert e.startswith("data: "), e
+        payload = e[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert out[-1] == "[DONE]" and "[DONE]" not in out[:-1]
+    return out[:-1]
+
+
+def wait_idle(engine, timeout=5.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = engine.stats()
+        if st.num_running == 0 and st.num_waiting == 0 and st.kv_used == 0:
+            return st
+        time.sleep(0.01)
+    raise AssertionError(f"not idle after {timeout}s: {engine.stats()}")
+
+
+def model_id(client) -> str:
+    return client.get("/v1/models").json()["data"][0]["id"]
+
+
+# ---------------------------------------------------------------- happy paths
+def test_health_models_metrics(client, scripted):
+    assert client.get("/health").status_code == 200
+    m = client.get("/v1/models").json()
+    assert m["object"] == "list" and m["data"][0]["id"] == "scripted"
+    assert m["data"][0]["max_model_len"] == 2048
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "shepherd:kv_capacity_tokens"):
+        assert name in r.text
+
+
+def test_completion_non_stream(client, tok):
+    r = client.post("/v1/completions", json={"model": "scripted", "prompt": "Say hi", "max_tokens": 200})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    assert b["object"] == "text_completion" and b["id"].startswith("cmpl-")
+    assert b["choices"][0]["text"] == TEXT
+    assert b["choices"][0]["finish_reason"] == "stop"
+    u = b["usage"]
+    assert u["prompt_tokens"] == len(tok.encode("Say hi"))
+    assert u["completion_tokens"] == len(tok.encode(TEXT)) + 1  # + EOS
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def test_completion_default_max_tokens_is_16(client):
+    b = client.post("/v1/completions", json={"prompt": "x"}).json()
+    assert b["usage"]["completion_tokens"] == 16 and b["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_stream_format_and_usage(client):
+    with client.stream("POST", "/v1/completions", json={
+            "model": "scripted", "prompt": "Say hi", "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    events = sse_events(body)
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    assert all(c["usage"] is None for c in chunks)
+    assert all(c["object"] == "text_completion" for c in events)
+    assert len({c["id"] for c in events}) == 1
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert TEXT.startswith(text) and text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_chat_non_stream(client):
+    r = client.post("/v1/chat/completions", json={
+        "model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    assert b["object"] == "chat.completion" and b["id"].startswith("chatcmpl-")
+    c = b["choices"][0]
+    assert c["message"] == {"role": "assistant", "content": TEXT}
+    assert c["finish_reason"] == "stop"
+    assert b["usage"]["prompt_tokens"] > 5
+
+
+def test_chat_stream_format(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 200, "stream": True}) as r:
+        assert r.status_code == 200
+        body = r.read().decode()
+    events = sse_events(body)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert all("usage" not in e for e in events)  # no include_usage: no usage key
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == TEXT
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_n2_distinct_choices(client):
+    b = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "n": 2, "seed": 7}).json()
+    assert sorted(c["index"] for c in b["choices"]) == [0, 1]
+    assert b["usage"]["completion_tokens"] == 8
+    b = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                  "max_tokens": 3, "n": 2}).json()
+    assert [c["index"] for c in b["choices"]] == [0, 1]
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r.read().decode())
+    finished = [e["choices"][0]["index"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+    assert events[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_n_seeds_are_distinct(scripted, client):
+    """Each of the n requests gets its own seed derived from the request's seed."""
+    seen = []
+    orig = scripted.engine.submit
+
+    async def spy(prompt_ids, params, **kw):
+        seen.append(params.seed)
+        return await orig(prompt_ids, params, **kw)
+
+    scripted.engine.submit = spy
+    try:
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": 3, "seed": 100})
+    finally:
+        scripted.engine.submit = orig
+    assert seen == [100, 101, 102]
+
+
+def test_stop_strings_spanning_tokens(client):
+    b = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 100, "stop": ["world, th"]}).json()
+    assert b["choices"][0]["text"] == "Hello " and b["choices"][0]["finish_reason"] == "stop"
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 100, "stop": "s a te",
+            "stream": True}) as r:
+        events = sse_events(r.read().decode())
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == "Hello world, this i"
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_logprobs_formats(client):
+    b = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "logprobs": 2}).json()
+    lp = b["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert "".join(lp["tokens"]) == b["choices"][0]["text"]
+    assert lp["text_offset"][0] == 0 and all(len(t) == 2 for t in lp["top_logprobs"])
+    b = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                  "max_tokens": 3, "logprobs": True, "top_logprobs": 1}).json()
+    content = b["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    assert {"token", "logprob", "bytes", "top_logprobs"} <= set(content[0])
+    assert len(content[0]["top_logprobs"]) == 1
+    b = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                  "max_tokens": 2}).json()
+    assert b["choices"][0]["logprobs"] is None
+
+
+def test_client_and_priority_reach_the_request(scripted, client):
+    seen = []
+    orig = scripted.engine.submit
+
+    async def spy(prompt_ids, params, **kw):
+        seen.append((kw.get("client"), kw.get("priority")))
+        return await orig(prompt_ids, params, **kw)
+
+    scripted.engine.submit = spy
+    try:
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "user": "alice", "priority": 3})
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Client-Id": "bob"})
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    finally:
+        scripted.engine.submit = orig
+    assert seen == [("alice", 3), ("bob", 0), ("default", 0)]
+
+
+def test_vllm_extras_accepted(client, tok):
+    stop_id = tok.encode(TEXT)[3]
+    b = client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 100, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
+        "stop_token_ids": [stop_id], "seed": 1, "ignore_eos": False, "unknown_field": 1}).json()
+    assert b["choices"][0]["text"] == "Hello world," and b["choices"][0]["finish_reason"] == "stop"
+    b = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 30, "ignore_eos": True}).json()
+    assert b["usage"]["completion_tokens"] == 30 and b["choices"][0]["finish_reason"] == "length"
+
+
+def test_token_id_prompts_and_batch(client):
+    b = client.post("/v1/completions", json={"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2, "n": 2}).json()
+    assert [c["index"] for c in b["choices"]] == [0, 1, 2, 3]
+    assert b["usage"]["prompt_tokens"] == 5
+
+
+# ---------------------------------------------------------------- bad input
+BAD = [
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, "model"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, "max_tokens"),
+    ("/v1/completions", {"prompt": list(range(100, 2200))}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"max_tokens": 3}, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+     "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 3000}]}, "messages"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes please"},
+     "stream"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_400(client, scripted, path, body, param):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+    # still serving
+    assert client.get("/health").status_code == 200
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe", b'"just a string"'])
+def test_malformed_json_400(client, raw):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_unknown_route_has_error_body(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# ---------------------------------------------------------------- disconnects
+def test_stream_disconnect_aborts_and_frees_kv(scripted):
+    engine = scripted.engine
+    with httpx.Client(base_url=scripted.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True,
+                                                       "stream": True}) as r:
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: "):
+                    got += 1
+                    if got >= 3:
+                        break
+            assert engine.stats().num_running == 1
+    st = wait_idle(engine, timeout=1.0)   # generating all 1500 tokens would take > 3 s
+    assert st.kv_free + st.kv_evictable == st.kv_capacity
+    m = httpx.get(scripted.url + "/metrics").text
+    assert re.search(r'^vllm:num_requests_running\{[^}]*\} 0\.0$', m, re.M)
+
+
+def test_non_stream_disconnect_aborts(scripted):
+    engine = scripted.engine
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(scripted.url + "/v1/completions",
+                   json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True}, timeout=0.3)
+    wait_idle(engine, timeout=1.0)   # generating all 1500 tokens would take > 3 s
+    m = httpx.get(scripted.url + "/metrics").text
+    assert re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} [1-9]', m, re.M), m
+
+
+# ---------------------------------------------------------------- auth
+def test_api_key_auth(tok):
+    ex = ScriptedExecutor(tok, tok.encode(TEXT))
+    engine = Engine(EngineConfig(executor="sim"), executor=ex, tokenizer=tok)
+    with ServerThread(engine, ServerConfig(api_key="sekret")) as srv, httpx.Client(base_url=srv.url) as c:
+        body = {"prompt": "x", "max_tokens": 2}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["message"]
+        r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert c.get("/v1/models").status_code == 401
+        r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+
+
+# ---------------------------------------------------------------- limits, sim executor
+def test_429_with_retry_after_and_nothing_lost(tok):
+    ex = ScriptedExecutor(tok, tok.encode(TEXT), delay=0.01)
+    cfg = EngineConfig(executor="sim", scheduler=SchedulerConfig(max_batch_size=1, max_queue=1, max_concurrency=2))
+    engine = Engine(cfg, executor=ex, tokenizer=tok)
+
+    async def fire(url, n):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json={
+                "prompt": f"p{i}", "max_tokens": 8, "ignore_eos": True}) for i in range(n)))
+
+    with ServerThread(engine) as srv:
+        rs = asyncio.run(fire(srv.url, 12))
+        codes = [r.status_code for r in rs]
+        assert 429 in codes and 200 in codes, codes
+        assert set(codes) <= {200, 429}
+        for r in rs:
+            if r.status_code == 429:
+                assert int(r.headers["Retry-After"]) >= 1
+                assert r.json()["error"]["type"] == "rate_limit_error"
+            else:
+                b = r.json()
+                assert b["choices"][0]["finish_reason"] == "length"
+                assert b["usage"]["completion_tokens"] == 8
+        wait_idle(engine)
+        assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_sim_executor_server_with_openai_client(tok):
+    import openai
+    engine = Engine(EngineConfig(executor="sim", max_total_tokens=4096))
+    with ServerThread(engine) as srv:
+        oc = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        mid = oc.models.list().data[0].id
+        r = oc.chat.completions.create(model=mid, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                       n=2)
+        assert len(r.choices) == 2 and r.usage.completion_tokens >= 2
+        chunks = list(oc.completions.create(model=mid, prompt="hello", max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+        with pytest.raises(openai.BadRequestError):
+            oc.completions.create(model=mid, prompt="hello", max_tokens=0)
+        wait_idle(engine)
+
+
+def test_engine_crash_gives_503_and_error(tok):
+    ex = ScriptedExecutor(tok, tok.encode(TEXT), fail_at=2)
+    engine = Engine(EngineConfig(executor="sim"), executor=ex, tokenizer=tok)
+    with ServerThread(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 50})
+        assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 503
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
+        assert r.status_code == 503 and r.json()["error"]["message"]

@@ -1,0 +1,201 @@
+"""End to end: a real `shepherd serve` process on the default model (SmolLM2-135M),
+driven by the official `openai` client.
+
+SHEPHERD_E2E_EXECUTOR=sim runs the same tests against `--executor sim`
+(no model weights; used while developing)."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+EXECUTOR = os.environ.get("SHEPHERD_E2E_EXECUTOR", "torch")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = open(log_path, "w")
+    cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--max-total-tokens", "4096",
+           "--executor", EXECUTOR, "--log-every-steps", "20"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not healthy in time:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.25)
+        yield url, proc, log_path
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=20)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def oc(server):
+    url, _, _ = server
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(oc):
+    return oc.models.list().data[0].id
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+MSG = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+def test_models_and_health(server, oc, model):
+    url, _, log_path = server
+    assert model
+    assert httpx.get(url + "/health").status_code == 200
+    assert "KV cache" in log_path.read_text()  # capacity logged at start
+
+
+def test_chat_non_stream_and_stream_agree(oc, model):
+    r = oc.chat.completions.create(model=model, messages=MSG, max_tokens=24, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content
+    assert c.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 5 and 1 <= r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(oc.chat.completions.create(model=model, messages=MSG, max_tokens=24, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish == [c.finish_reason]
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    if EXECUTOR == "torch":
+        assert text == c.message.content   # greedy, batch-invariant: same tokens either way
+
+
+def test_completions_non_stream_and_stream(oc, model):
+    r = oc.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
+    assert r.choices[0].text and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12
+    chunks = list(oc.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                        temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    if EXECUTOR == "torch":
+        assert text == r.choices[0].text
+        assert "Paris" in text
+
+
+def test_n2(oc, model):
+    r = oc.chat.completions.create(model=model, messages=MSG, max_tokens=16, temperature=0.9, n=2, seed=1234)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.message.content for c in r.choices)
+    assert 2 <= r.usage.completion_tokens <= 32
+    r = oc.completions.create(model=model, prompt="Once upon a time", max_tokens=8, n=2, stream=False, seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+
+
+def test_stop_string(oc, model):
+    base = oc.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=24, temperature=0,
+                                 extra_body={"ignore_eos": True}).choices[0].text
+    assert len(base) > 8
+    stop = base[3:9]          # most likely spans token boundaries
+    cut = base[:base.index(stop)]
+    r = oc.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=24, temperature=0, stop=[stop],
+                              extra_body={"ignore_eos": True})
+    assert r.choices[0].text == cut
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(oc.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=24, temperature=0,
+                                        stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == cut
+
+
+def test_logprobs(oc, model):
+    if EXECUTOR == "sim":
+        pytest.skip("the simulated executor returns no logprobs")
+    r = oc.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    r = oc.chat.completions.create(model=model, messages=MSG, max_tokens=5, temperature=0, logprobs=True,
+                                   top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob <= 0 for t in content)
+
+
+def test_bad_input(oc, model):
+    with pytest.raises(openai.BadRequestError):
+        oc.completions.create(model=model, prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        oc.chat.completions.create(model="no-such-model", messages=MSG)
+    with pytest.raises(openai.BadRequestError):
+        oc.completions.create(model=model, prompt="x", temperature=-1)
+    with pytest.raises(openai.BadRequestError):
+        oc.completions.create(model=model, prompt=[1] * 5000, max_tokens=1)
+    r = oc.completions.create(model=model, prompt="still serving", max_tokens=2)
+    assert r.choices[0].text is not None
+
+
+def test_disconnect_mid_stream_frees_everything(server, oc, model):
+    url, proc, _ = server
+    idle_kv = metric(url, "vllm:kv_cache_usage_perc")
+    stream = oc.completions.create(model=model, prompt="Tell me a very long story.", max_tokens=2000,
+                                   stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    for _ in stream:
+        got += 1
+        if got >= 3:
+            break
+    assert metric(url, "vllm:num_requests_running") == 1
+    stream.close()   # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        running = metric(url, "vllm:num_requests_running")
+        kv = metric(url, "vllm:kv_cache_usage_perc")
+        if running == 0 and kv == idle_kv:
+            break
+        assert time.monotonic() < deadline, f"still running={running} kv={kv} (idle {idle_kv})"
+        time.sleep(0.1)
+    # it was aborted, not run to its 2000 tokens
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} ([0-9.]+)$', text, re.M)
+    assert m and float(m.group(1)) >= 1
+    assert proc.poll() is None

@@ -1,0 +1,219 @@
+"""The simulator (sim/simulator.py): determinism, the decode fast path against
+one-by-one stepping, the same schedule as a plain schedule/execute loop,
+prefix hits on a Mooncake slice, routing, and the CLI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shepherd.bench.records import TraceRequest
+from shepherd.config import SchedulerConfig
+from shepherd.request import Request, SamplingParams
+from shepherd.sim import traces as T
+from shepherd.sim.cost_model import RooflineCostModel
+from shepherd.sim.simulator import SimConfig, Simulator, simulate
+
+DATA = Path(__file__).parent / "data"
+SHARED = Path("/work/shared/data")
+AZURE = SHARED / "azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
+
+
+def synth(n=150, seed=3, rate=6.0, clients=2, **kw):
+    spec = T.SyntheticSpec(clients=[T.ClientSpec(f"c{i}", rate=rate / clients, input_len="lognormal:400:0.8",
+                                                 output_len="lognormal:120:0.9", **kw) for i in range(clients)],
+                           num_requests=n, seed=seed)
+    return T.synthetic(spec)
+
+
+def key(r):
+    return (r.req_id, r.client, r.arrival, r.first_token, tuple(r.token_times), r.finish, r.preemptions,
+            r.output_tokens, r.ok, r.error_kind, r.replica, r.cached_tokens, tuple(r.intervals))
+
+
+def run(trace, **kw):
+    sched = kw.pop("scheduler", SchedulerConfig())
+    return simulate(trace, SimConfig(scheduler=sched, **kw))
+
+
+def test_deterministic_for_a_seed():
+    tr = synth()
+    a = run(tr, replicas=2, router="random", seed=5)
+    b = run(synth(), replicas=2, router="random", seed=5)
+    assert [key(r) for r in a.records] == [key(r) for r in b.records]
+    assert all(r.ok and r.finish is not None for r in a.records)
+    c = run(synth(seed=4), replicas=2, router="random", seed=5)
+    assert [key(r) for r in a.records] != [key(r) for r in c.records]
+
+
+@pytest.mark.parametrize("sched", [
+    SchedulerConfig(),                                                    # optimistic, roomy
+    SchedulerConfig(max_total_tokens=6000, admission="optimistic"),      # preemptions (recompute)
+    SchedulerConfig(max_total_tokens=6000, admission="optimistic", preemption="swap"),
+    SchedulerConfig(max_total_tokens=6000, admission="guaranteed"),
+    SchedulerConfig(max_total_tokens=6000, admission="peak", max_batch_size=16),
+    SchedulerConfig(max_total_tokens=8000, policy="vtc"),
+], ids=["roomy", "recompute", "swap", "guaranteed", "peak", "vtc"])
+def test_fast_path_equals_step_by_step(sched):
+    tr = synth(n=120, rate=8.0)
+    kv = sched.max_total_tokens if sched.max_total_tokens != SchedulerConfig.max_total_tokens else None
+    slow = run(tr, replicas=2, scheduler=sched, kv_capacity=kv, fast=False)
+    fast = run(tr, replicas=2, scheduler=sched, kv_capacity=kv, fast=True)
+    assert fast.fast_steps > 0.5 * fast.steps, (fast.fast_steps, fast.steps)
+    assert slow.steps == fast.steps
+    assert [key(r) for r in slow.records] == [key(r) for r in fast.records]
+    assert slow.preemptions == fast.preemptions
+    if "recompute" in repr(sched) and sched.max_total_tokens == 6000 and sched.admission == "optimistic":
+        pass
+
+
+def test_fast_path_with_eos_before_max_tokens():
+    tr = synth(n=80, rate=5.0)
+    slow = run(tr, max_tokens=2048, fast=False)
+    fast = run(tr, max_tokens=2048, fast=True)
+    assert [key(r) for r in slow.records] == [key(r) for r in fast.records]
+    assert [r.output_tokens for r in fast.records] == [t.output_tokens for t in sorted(tr, key=lambda x: x.arrival)]
+
+
+def test_preemption_happens_under_pressure():
+    tr = synth(n=120, rate=8.0)
+    res = run(tr, scheduler=SchedulerConfig(admission="optimistic"), kv_capacity=6000)
+    assert res.preemptions > 0
+    assert any(iv[0] == "preempted" for r in res.records for iv in r.intervals)
+    g = run(tr, scheduler=SchedulerConfig(admission="guaranteed"), kv_capacity=6000)
+    assert g.preemptions == 0
+
+
+def plain_loop(trace, sched_cfg, cost, kv, vocab):
+    """A plain schedule/execute loop with the shared SimExecutor: the reference schedule."""
+    from shepherd.scheduler.scheduler import Scheduler
+    from shepherd.sim.sim_executor import SimExecutor
+    from shepherd.sim.simulator import _TokenMixin
+
+    class Ex(_TokenMixin, SimExecutor):
+        pass
+
+    ex = Ex(kv_capacity=kv, host_kv_capacity=kv if sched_cfg.preemption == "swap" else 0, max_model_len=kv,
+            step_time=cost.step_time, swap_time_per_token=0.0, vocab_size=vocab)
+    sc = SchedulerConfig(**{**sched_cfg.__dict__, "max_total_tokens": kv})
+    sched = Scheduler(sc, host_kv_capacity=ex.host_kv_capacity, max_model_len=kv)
+    pending = sorted(trace, key=lambda t: t.arrival)
+    batches = []
+    clock = 0.0
+    i = 0
+    while i < len(pending) or sched.has_work:
+        if not sched.has_work and clock < pending[i].arrival:
+            clock = pending[i].arrival
+        while i < len(pending) and pending[i].arrival <= clock:
+            tr = pending[i]
+            sched.add(Request(req_id=f"r{tr.index}", prompt_ids=T.prompt_token_ids(tr, vocab),
+                              params=SamplingParams(max_tokens=tr.output_tokens, temperature=0.0, ignore_eos=True),
+                              arrival=tr.arrival, client=tr.client, eos_token_ids=(2,)), tr.arrival)
+            i += 1
+        batch = sched.schedule(clock)
+        if batch.empty:
+            if i < len(pending):
+                clock = pending[i].arrival
+                continue
+            break
+        batches.append((0, clock, [(s.req.req_id, s.start_pos, len(s.token_ids)) for s in batch.seqs]))
+        res = ex.execute(batch)
+        clock += res.step_time
+        sched.on_step(batch, res, clock)
+    return batches
+
+
+@pytest.mark.parametrize("admission", ["optimistic", "peak"])
+def test_same_batches_as_plain_loop(admission):
+    tr = synth(n=100, rate=8.0)
+    sched = SchedulerConfig(admission=admission, max_num_tokens=512)
+    cost = RooflineCostModel("llama-3-8b", "h100")
+    ref = plain_loop(tr, sched, cost, 5000, 128256)
+    for fast in (False, True):
+        res = simulate(tr, SimConfig(scheduler=sched, kv_capacity=5000, fast=fast, record_batches=True), cost)
+        assert len(res.batches) == len(ref)
+        assert res.batches == ref
+
+
+def expected_hits(reqs, vocab=128256):
+    """Prompt tokens an unlimited prefix cache serves: the longest common prefix
+    of each prompt with any earlier prompt (equal hash ids give equal blocks; a
+    prompt's last block may be cut short), capped below the prompt length (at
+    least one token is computed)."""
+    ids = [T.prompt_token_ids(r, vocab) for r in reqs]
+    hits = 0
+    for i, a in enumerate(ids):
+        best = 0
+        for b in ids[:i]:
+            n = 0
+            for x, y in zip(a, b):
+                if x != y:
+                    break
+                n += 1
+            best = max(best, n)
+        hits += min(best, len(a) - 1)
+    return hits
+
+
+def test_mooncake_fixture_prefix_hits():
+    tr = T.load_trace(DATA / "mooncake_5.jsonl")
+    res = run(tr, model="llama-3-8b", gpu="h100")
+    exp = expected_hits(tr)
+    # blocks [0,1] shared; [0,1,2] shared with a prompt whose block 2 was cut at 1500 tokens; [5]
+    assert exp == 1024 + 1500 + 512
+    assert res.prefix_hit_tokens == exp
+    assert res.prefix_query_tokens == sum(r.prompt_tokens for r in tr)
+    assert [r.cached_tokens for r in res.records] == [0, 1024, 1500, 0, 512]
+    off = run(tr, scheduler=SchedulerConfig(prefix_cache=False))
+    assert off.prefix_hit_tokens == 0
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared data not mounted")
+def test_mooncake_real_slice_prefix_hits():
+    # arrivals slowed 20x so that every request has finished (and its prompt is in the
+    # cache) before the next one; a KV pool larger than the slice so nothing is evicted
+    tr = T.load_trace(SHARED / "mooncake/synthetic_trace.jsonl", limit=60, time_scale=20.0)
+    res = run(tr, model="llama-3-8b", gpu="h100", kv_capacity=1_200_000, max_model_len=131072)
+    exp = expected_hits(tr)
+    assert exp > 29_000
+    assert res.prefix_hit_tokens == exp
+    assert all(r.ok for r in res.records)
+
+
+def test_routing_policies_and_capacity():
+    tr = synth(n=120, rate=10.0)
+    for router in ("round-robin", "least-request", "power-of-two"):
+        res = run(tr, replicas=3, router=router)
+        assert all(r.ok for r in res.records)
+        assert {r.replica for r in res.records} == {0, 1, 2}
+    sim = Simulator(SimConfig(model="llama-3-8b", gpu="h100"))
+    assert sim.kv_capacity == RooflineCostModel("llama-3-8b", "h100").kv_capacity_tokens()
+
+
+def test_request_that_never_fits_is_a_counted_failure():
+    tr = [TraceRequest(arrival=0.0, prompt_tokens=3000, output_tokens=10, index=0),
+          TraceRequest(arrival=0.1, prompt_tokens=100, output_tokens=10, index=1)]
+    res = run(tr, kv_capacity=2000)
+    assert [r.ok for r in res.records] == [False, True]
+    assert res.records[0].error_kind in ("rejected", "error")
+
+
+def test_cli_writes_summary(tmp_path):
+    from shepherd.cli import main
+    out = tmp_path / "o"
+    rc = main(["simulate", "--trace", str(DATA / "azure_conv_20.csv"), "--replicas", "2", "--out", str(out),
+               "--no-progress", "--slo-ttft", "0.5", "--slo-tpot", "0.05", "--records"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["requests"] == 20 and s["completed"] == 20
+    assert s["goodput_req_s"] is not None
+    assert (out / "timeline.png").exists() and (out / "kv.png").exists()
+    assert len((out / "records.jsonl").read_text().splitlines()) == 20
+    rc = main(["simulate", "--rate", "3", "--clients", "a=1,b=2", "--num-requests", "30", "--out",
+               str(tmp_path / "s"), "--no-progress", "--no-plots", "--model", "llama-2-7b", "--gpu", "a10g"])
+    assert rc == 0
+    s = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert set(s["per_client"]) == {"a", "b"}
+    assert main(["simulate", "--trace", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "x"),
+                 "--format", "azure"]) == 2

@@ -1,0 +1,143 @@
+"""Trace readers, synthetic workloads and deterministic prompt ids (sim/traces.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shepherd.bench.records import TraceRequest
+from shepherd.sim import traces as T
+
+DATA = Path(__file__).parent / "data"
+SHARED = Path("/work/shared/data")
+
+
+def test_azure_fixture():
+    reqs = T.load_trace(DATA / "azure_conv_20.csv")
+    assert T.detect_format(DATA / "azure_conv_20.csv") == "azure"
+    assert len(reqs) == 20
+    assert reqs[0].arrival == 0.0 and (reqs[0].prompt_tokens, reqs[0].output_tokens) == (374, 44)
+    # 18:15:50.9951690 - 18:15:46.6805900
+    assert reqs[1].arrival == pytest.approx(4.314579, abs=1e-5)
+    assert all(a.arrival <= b.arrival for a, b in zip(reqs, reqs[1:]))
+    assert [r.index for r in reqs] == list(range(20))
+
+
+def test_servegen_fixture_clients():
+    reqs = T.load_trace(DATA / "servegen_19.csv")
+    assert len(reqs) == 19
+    assert reqs[0].client == "client-20"
+    assert len({r.client for r in reqs}) > 1
+
+
+def test_limit_time_scale_rate():
+    a = T.load_trace(DATA / "azure_conv_20.csv", limit=5)
+    assert len(a) == 5
+    b = T.load_trace(DATA / "azure_conv_20.csv", limit=5, time_scale=0.5)
+    assert [x.arrival for x in b] == pytest.approx([x.arrival * 0.5 for x in a])
+    c = T.load_trace(DATA / "azure_conv_20.csv", rate=4.0)
+    assert (len(c) - 1) / c[-1].arrival == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("fmt,header,good,bad,msg", [
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46.68,374,44",
+     "2023-11-16 18:15:47.00,abc,44", "ContextTokens"),
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46.68,374,44",
+     "yesterday,374,44", "TIMESTAMP"),
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46.68,374,44",
+     "2023-11-16 18:15:47.00,374", "expected 3 fields"),
+    ("servegen", "timestamp_s,client_id,input_tokens,output_tokens", "0.5,3,100,20",
+     "0.7,3,-5,20", "input_tokens"),
+    ("servegen", "timestamp_s,client_id,input_tokens,output_tokens", "0.5,3,100,20",
+     "nan,3,100,20", "timestamp_s"),
+])
+def test_csv_readers_reject_malformed_rows_with_line_number(tmp_path, fmt, header, good, bad, msg):
+    p = tmp_path / "t.csv"
+    p.write_text("\n".join([header, good, good, bad, good]) + "\n")
+    with pytest.raises(T.TraceFormatError) as e:
+        T.load_trace(p, fmt)
+    assert f"{p}:4:" in str(e.value) and msg in str(e.value)
+
+
+def test_csv_reader_rejects_missing_column(tmp_path):
+    p = tmp_path / "t.csv"
+    p.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.68,374\n")
+    with pytest.raises(T.TraceFormatError, match=r":1: header lacks"):
+        T.read_azure(p)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ("{not json", "not valid JSON"),
+    ('{"timestamp": 5, "input_length": 100}', "output_length"),
+    ('{"timestamp": 5, "input_length": "x", "output_length": 3}', "input_length"),
+    ('{"timestamp": 5, "input_length": 100, "output_length": 3, "hash_ids": [1, "a"]}', "hash_ids"),
+    ('{"timestamp": 5, "input_length": 5000, "output_length": 3, "hash_ids": [1]}', "hash_ids cover"),
+])
+def test_mooncake_rejects_malformed_rows_with_line_number(tmp_path, bad, msg):
+    p = tmp_path / "t.jsonl"
+    good = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]})
+    p.write_text("\n".join([good, good, bad]) + "\n")
+    with pytest.raises(T.TraceFormatError) as e:
+        T.read_mooncake(p)
+    assert f"{p}:3:" in str(e.value) and msg in str(e.value)
+
+
+def test_mooncake_prompt_ids_share_blocks():
+    reqs = T.load_trace(DATA / "mooncake_5.jsonl")
+    assert [r.arrival for r in reqs] == pytest.approx([0, 0.1, 0.2, 0.3, 0.4])
+    ids = [T.prompt_token_ids(r, 32000) for r in reqs]
+    assert [len(x) for x in ids] == [r.prompt_tokens for r in reqs]
+    assert ids[0][:1024] == ids[1][:1024]           # blocks 0, 1 shared
+    assert ids[0][1024:1100] != ids[1][1024:1100]   # block 2 vs 3
+    assert ids[2][:1500] == ids[0][:1500]           # blocks 0, 1, 2
+    assert ids[3][:512] == ids[4][:512] and ids[3][512:600] != ids[4][512:600]
+    assert all(256 <= t < 32000 for x in ids for t in x)
+    # deterministic across calls
+    assert T.prompt_token_ids(reqs[2], 32000) == ids[2]
+
+
+def test_unique_prompts_differ_and_are_deterministic():
+    a = TraceRequest(arrival=0, prompt_tokens=50, output_tokens=5, index=1)
+    b = TraceRequest(arrival=0, prompt_tokens=50, output_tokens=5, index=2)
+    assert T.prompt_token_ids(a, 1000) == T.prompt_token_ids(a, 1000)
+    assert T.prompt_token_ids(a, 1000) != T.prompt_token_ids(b, 1000)
+
+
+def test_synthetic_clients_rates_prefix_and_sessions():
+    spec = T.SyntheticSpec(clients=[
+        T.ClientSpec("a", rate=2.0, input_len="fixed:100", output_len="fixed:10", system_prompt_tokens=50),
+        T.ClientSpec("b", rate=4.0, input_len="uniform:10:20", output_len="fixed:5", arrival="gamma", cv=2.0,
+                     turns=3, think_time=1.0),
+    ], duration=200.0, seed=7)
+    reqs = T.synthetic(spec)
+    assert reqs == T.synthetic(spec)                       # deterministic
+    a = [r for r in reqs if r.client == "a"]
+    assert 300 < len(a) < 500                              # ~2 req/s over 200 s
+    assert all(r.prompt_tokens == 150 for r in a)
+    ia, ib = T.prompt_token_ids(a[0], 5000), T.prompt_token_ids(a[1], 5000)
+    assert ia[:50] == ib[:50] and ia[50:] != ib[50:]       # shared system prompt
+    sess = {}
+    for r in reqs:
+        if r.client == "b":
+            sess.setdefault(r.session, []).append(r)
+    turns = next(v for v in sess.values() if len(v) == 3)
+    p0, p1 = T.prompt_token_ids(turns[0], 5000), T.prompt_token_ids(turns[1], 5000)
+    assert len(p1) > len(p0) and p1[:len(p0)] == p0        # turn 2 extends turn 1
+    assert turns[1].arrival >= turns[0].arrival
+
+
+def test_parse_clients():
+    cs = T.parse_clients("x=1.5,y=3")
+    assert [(c.name, c.rate) for c in cs] == [("x", 1.5), ("y", 3.0)]
+    assert len(T.parse_clients("4@0.5")) == 4
+
+
+@pytest.mark.skipif(not (SHARED / "azure_llm_2023").exists(), reason="shared data not mounted")
+def test_real_traces_slices():
+    az = T.load_trace(SHARED / "azure_llm_2023/AzureLLMInferenceTrace_conv.csv", limit=200)
+    mc = T.load_trace(SHARED / "mooncake/synthetic_trace.jsonl", limit=50)
+    sg = T.load_trace(SHARED / "servegen/servegen_m-large_1h_multitenant_sample.csv", limit=300)
+    assert len(az) == 200 and len(mc) == 50 and len(sg) == 300
+    assert all(r.hash_ids for r in mc)
+    assert len({r.client for r in sg}) > 3
