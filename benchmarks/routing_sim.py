@@ -59,9 +59,9 @@ def run_one(job):
     name, knobs, label, args = job
     from shepherd.sim.simulator import SimConfig, Simulator
     from shepherd.sim.traces import load_trace
-    trace = load_trace(args["trace"], "mooncake", limit=args["limit"])
+    trace = load_trace(args["trace"], "mooncake", limit=args["limit"], time_scale=args.get("time_scale", 1.0))
     cfg = SimConfig(replicas=args["replicas"], router=name, router_knobs=dict(knobs), progress=False,
-                    timeseries=False, model=args["model"], gpu=args["gpu"])
+                    timeseries=False, model=args["model"], gpu=args["gpu"], kv_capacity=args.get("kv_capacity"))
     t0 = time.perf_counter()
     sim = Simulator(cfg)
     res = sim.run(trace)
@@ -88,7 +88,10 @@ def fmt_ms(x):
 
 def table(rows, ideal, args) -> str:
     out = [f"Mooncake synthetic trace ({rows[0]['requests']} requests), {args['replicas']} replicas, "
-           f"{args['model']} on {args['gpu']} (roofline cost model). Ideal (one unlimited cache): "
+           f"{args['model']} on {args['gpu']} (roofline cost model)"
+           + (f", KV {args['kv_capacity']:,} tokens per replica" if args.get("kv_capacity") else "")
+           + (f", arrivals x{args['time_scale']:g} (time scale)" if args.get("time_scale", 1.0) != 1.0 else "")
+           + ". Ideal (one unlimited cache): "
            f"{ideal * 100:.1f}% of blocks.", "",
            "| policy | knobs | prefix hit | TTFT p50 ms | TTFT p99 ms | req/s | total tok/s | max/mean req per replica | decisions |",
            "|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -110,10 +113,24 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--gpu", default="h100")
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply arrival times (0.25 = four times the trace's rate)")
+    p.add_argument("--kv-capacity", type=int, default=None,
+                   help="KV tokens per replica (default: from GPU memory); large = routing-only hit rate")
     p.add_argument("--out", default=os.path.join(ROOT, "out", "routing_sim"))
     a = p.parse_args(argv)
-    args = {"trace": a.trace, "limit": a.limit, "replicas": a.replicas, "model": a.model, "gpu": a.gpu}
-    jobs = [(n, {}, "defaults", args) for n in a.policies.split(",") if n]
+    args = {"trace": a.trace, "limit": a.limit, "replicas": a.replicas, "model": a.model, "gpu": a.gpu,
+            "kv_capacity": a.kv_capacity, "time_scale": a.time_scale}
+    jobs = []
+    for n in a.policies.split(","):
+        if not n:
+            continue
+        if n == "session-affinity":
+            # the trace has one client and no sessions: keyed on the user, every request
+            # would go to one replica (see docs/ROUTING.md); without, it is its fallback
+            jobs.append((n, {"use_user": False}, "use_user=false", args))
+        else:
+            jobs.append((n, {}, "defaults", args))
     if a.variants:
         jobs += [(n, k, lbl, args) for n, k, lbl in VARIANTS]
     from shepherd.sim.traces import load_trace

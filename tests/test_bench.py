@@ -215,15 +215,18 @@ def test_trace_replay_timing(server, tmp_path):
     _reset(server)
     rc = _bench(server.url, tmp_path / "out", "--trace", trace, "--format", "azure", "--time-scale", 0.5)
     assert rc == 0
+    want = [o * 0.5 for o in offsets]
+    # on the client's clock: each request is sent at its scaled trace time
+    recs = sorted(_records(tmp_path / "out"), key=lambda r: r["arrival"])
+    sent = [r["arrival"] - recs[0]["arrival"] for r in recs]
+    for g, w in zip(sent, want):
+        assert abs(g - w) < 0.1, (sent, want)
+    # on the server's clock: the same spacing, up to one common delay (connection set-up)
     t = sorted(a for a, _ in server.arrivals)
     assert len(t) == 5
-    got = [x - t[0] for x in t]
-    want = [o * 0.5 for o in offsets]
-    for g, w in zip(got, want):
-        assert abs(g - w) < 0.08, (got, want)
-    recs = sorted(_records(tmp_path / "out"), key=lambda r: r["arrival"])
-    for r, w in zip(recs, want):
-        assert abs((r["arrival"] - recs[0]["arrival"]) - w) < 0.08
+    lag = sorted((x - t[0]) - w for x, w in zip(t, want))[2]
+    for x, w in zip(t, want):
+        assert abs((x - t[0]) - w - lag) < 0.15, ([x - t[0] for x in t], want)
     assert [r["output_tokens"] for r in recs] == [5, 6, 7, 8, 9]
     # --limit takes the first N
     _reset(server)

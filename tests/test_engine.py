@@ -4,6 +4,7 @@ simulated one) with the real tokenizer."""
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import textwrap
@@ -407,6 +408,68 @@ def test_sim_executor_engine_serves(tok):
                 assert outs[-1].finish_reason in ("stop", "length")
                 assert 1 <= outs[-1].completion_tokens <= 8
             await wait_idle(engine)
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_sglang_style_log_lines(tok, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="shepherd.engine")
+
+    async def main():
+        ex = ScriptedExecutor(tok, tok.encode(TEXT * 3))
+        engine = Engine(EngineConfig(executor="sim", log_every_steps=5), executor=ex, tokenizer=tok)
+        await engine.start()
+        try:
+            await collect(await engine.submit(tok.encode("hello"), SamplingParams(max_tokens=20, ignore_eos=True)))
+        finally:
+            await engine.stop()
+    run(main())
+    text = caplog.text
+    assert "KV cache: capacity 4096 tokens" in text
+    assert re.search(r"Prefill batch\. #new-seq: 1, #new-token: \d+, #cached-token: \d+, token usage: [0-9.]+, "
+                     r"#running-req: 1, #queue-req: 0", text), text
+    assert re.search(r"Decode batch\. #running-req: 1, #token: \d+, token usage: [0-9.]+, "
+                     r"gen throughput \(token/s\): [0-9.]+, #queue-req: 0, #preempted: 0", text), text
+    assert len(re.findall("Decode batch", text)) == 19 // 5
+
+
+def test_crash_during_intake_answers_every_submit(tok):
+    """A bug while taking requests in must not leave a submitter waiting forever."""
+    async def main():
+        engine, _ = make_engine(tok, delay=0.01)
+        await engine.start()
+        running = await engine.submit(tok.encode("first"), SamplingParams(max_tokens=100, ignore_eos=True))
+
+        def broken_add(req, now):
+            raise ValueError("scheduler bug")
+        engine.scheduler.add = broken_add
+        res = await asyncio.gather(*(engine.submit(tok.encode(f"r{i}"), SamplingParams(max_tokens=2))
+                                     for i in range(3)), return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in res), res
+        outs = await collect(running)
+        assert outs[-1].finish_reason == "error" and "scheduler bug" in outs[-1].error
+        await engine.stop()
+    run(main())
+
+
+def test_submit_iterable_without_await(tok):
+    async def main():
+        sched = SchedulerConfig(max_queue=1, max_concurrency=1)
+        engine, _ = make_engine(tok, sched=sched, delay=0.01)
+        await engine.start()
+        try:
+            text = ""
+            async for out in engine.submit(tok.encode("p"), SamplingParams(max_tokens=3)):
+                text += out.text
+            assert text == tok.decode(tok.encode(TEXT)[:3])
+            a = engine.submit(tok.encode("a"), SamplingParams(max_tokens=3))
+            b = engine.submit(tok.encode("b"), SamplingParams(max_tokens=3))
+            with pytest.raises(QueueFull):      # admission errors surface on first iteration too
+                async for _ in b:
+                    pass
+            assert (await collect(a))[-1].finished
         finally:
             await engine.stop()
     run(main())

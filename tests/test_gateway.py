@@ -97,7 +97,7 @@ def test_streaming_pass_through_is_byte_identical(cluster_factory):
 
 
 def test_streaming_is_not_buffered(cluster_factory):
-    c = cluster_factory(n=1, chunk_delay=0.3)
+    c = cluster_factory(n=1, chunk_delay=0.4)
     t0 = time.time()
     with c.client.stream("POST", "/v1/completions", json=dict(BODY, stream=True, max_tokens=4)) as r:
         it = r.iter_raw()
@@ -106,7 +106,8 @@ def test_streaming_is_not_buffered(cluster_factory):
         rest = b"".join(it)
         t_all = time.time() - t0
     assert first.startswith(b"data: ")
-    assert t_first < 0.25 and t_all > 0.9, (t_first, t_all)
+    # the first event reached the client while the backend was still generating
+    assert t_all - t_first > 1.0, (t_first, t_all)
     assert rest.endswith(b"data: [DONE]\n\n")
 
 
@@ -242,7 +243,8 @@ def test_in_flight_returns_to_zero_after_client_aborts(cluster_factory):
     c = cluster_factory(n=2, chunk_delay=0.2, chunks=20)
     for _ in range(4):
         with c.client.stream("POST", "/v1/completions", json=dict(BODY, stream=True, max_tokens=20)) as r:
-            next(r.iter_raw())
+            it = r.iter_raw()           # keep a reference: a dropped generator closes the stream
+            next(it)
             per, total = c.in_flight()
             assert total == 1 and sum(per) == 1
         # leaving the block closes the connection mid-stream
@@ -403,3 +405,15 @@ def test_cli_parses_and_rejects_bad_config():
         with pytest.raises(ValueError):
             gateway_cli.build_gateway(p.parse_args(bad))
     assert gateway_cli.main(p.parse_args(["--backend", "x:1", "--policy", "nope"])) == 2
+
+
+def test_backend_restart_stale_keepalive_connections_are_replaced(cluster_factory):
+    c = cluster_factory(n=1, health=HealthConfig(health_interval=30, metrics_interval=0))
+    for _ in range(3):
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+    port = c.servers[0].port
+    c.servers[0].stop()
+    c.servers[0] = ServerThread(c.fakes[0], port=port).start()
+    for _ in range(3):
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+    assert c.pool.backends()[0].total_failures == 0

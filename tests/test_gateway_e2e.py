@@ -91,7 +91,7 @@ def wait_idle(gurl, timeout=15.0) -> bool:
 
 SYSTEM = ("You are a careful assistant for a library. You answer questions about opening hours, "
           "loans, renewals, fines, reading rooms and the catalogue. Keep answers short and polite. "
-          "Never invent a rule; when unsure, say that a librarian will help. ") * 3
+          "Never invent a rule; when unsure, say that a librarian will help. ") * 2   # 478 chars: 3 blocks
 
 
 def test_models_and_health_through_gateway(stack):
@@ -106,7 +106,7 @@ def test_prefix_aware_keeps_a_shared_prefix_on_one_replica(stack):
     served = []
     with httpx.Client(base_url=g, timeout=60) as c:
         for q in ("When do you open?", "Can I renew a book?", "How much is a late fine?",
-                  "Where is the quiet room?", "Do you lend laptops?", "Can I reserve a room?"):
+                  "Where is the quiet room?"):
             r = c.post("/v1/completions", json={"prompt": SYSTEM + "\nQuestion: " + q + "\nAnswer:",
                                                 "max_tokens": 4, "temperature": 0})
             assert r.status_code == 200, r.text
@@ -114,8 +114,8 @@ def test_prefix_aware_keeps_a_shared_prefix_on_one_replica(stack):
         assert len(set(served)) == 1, served
         # unrelated prompts spread over both replicas
         other = []
-        for i in range(6):
-            r = c.post("/v1/completions", json={"prompt": f"{i} unrelated topic number {i * 7919}: " + "xyz " * (40 + i),
+        for i in range(4):
+            r = c.post("/v1/completions", json={"prompt": f"{i} unrelated topic number {i * 7919}: " + "xyz " * (35 + i),
                                                 "max_tokens": 4, "temperature": 0})
             assert r.status_code == 200, r.text
             other.append(r.headers["x-shepherd-backend"])
@@ -136,7 +136,7 @@ def _one_stream(g, i):
     started = ok = err = False
     try:
         with httpx.stream("POST", g + "/v1/completions",
-                          json={"prompt": f"Request {i}: count slowly from one to ten.", "max_tokens": 8,
+                          json={"prompt": f"Request {i}: count slowly from one to ten.", "max_tokens": 6,
                                 "stream": True, "temperature": 0}, timeout=60) as r:
             if r.status_code != 200:
                 return r.status_code, False, False, False

@@ -328,6 +328,22 @@ def test_malformed_json_400(client, raw):
     assert client.get("/health").status_code == 200
 
 
+@pytest.mark.parametrize("raw,param", [('{"prompt": "x", "temperature": NaN}', "temperature"),
+                                       ('{"prompt": "x", "min_p": Infinity}', "min_p"),
+                                       ('{"prompt": "x", "presence_penalty": -Infinity}', "presence_penalty")])
+def test_non_finite_numbers_400(client, raw, param):
+    """Python's json accepts NaN/Infinity; they must not reach the sampler."""
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_tiny_temperature_is_greedy(client):
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 1e-30})
+    assert r.status_code == 200
+    assert client.get("/health").status_code == 200
+
+
 def test_unknown_route_has_error_body(client):
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
@@ -434,3 +450,78 @@ def test_engine_crash_gives_503_and_error(tok):
         assert c.get("/health").status_code == 503
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
         assert r.status_code == 503 and r.json()["error"]["message"]
+
+
+def test_http_side_responsive_while_engine_busy(tok):
+    ex = ScriptedExecutor(tok, tok.encode(TEXT), delay=0.2)   # slow steps, like a big model
+    engine = Engine(EngineConfig(executor="sim"), executor=ex, tokenizer=tok)
+    with ServerThread(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True,
+                                                       "ignore_eos": True}) as r:
+            next(r.iter_lines())
+            worst = 0.0
+            for _ in range(5):
+                t0 = time.monotonic()
+                assert c.get("/health").status_code == 200
+                assert c.get("/metrics").status_code == 200
+                worst = max(worst, time.monotonic() - t0)
+            assert worst < 0.15, worst
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-batch-size", "0"], "max_batch_size must be >= 1"),
+    (["--kv-cache-memory-fraction", "1.5"], "--kv-cache-memory-fraction"),
+    (["--max-total-tokens", "100", "--page-size", "16"], "multiple of page_size"),
+    (["/no/such/model.gguf"], "does not exist"),
+    (["--watchdog-timeout", "0"], "--watchdog-timeout"),
+])
+def test_serve_config_errors_exit_2(args, needle):
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "shepherd", "serve", "--executor", "sim", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "shepherd serve: error:" in p.stderr and needle in p.stderr, p.stderr[-2000:]
+
+
+def test_mixed_load_with_disconnects_leaves_nothing_behind(tok):
+    """Many concurrent requests, streaming and not, some clients vanishing mid-way:
+    afterwards the scheduler is idle, all KV is back, and the engine tracks nothing."""
+    ex = ScriptedExecutor(tok, tok.encode(TEXT * 4), delay=0.003)
+    cfg = EngineConfig(executor="sim", scheduler=SchedulerConfig(max_batch_size=8, max_total_tokens=4096))
+    engine = Engine(cfg, executor=ex, tokenizer=tok)
+
+    async def one(c, i):
+        body = {"prompt": f"request {i} " * (1 + i % 5), "max_tokens": 5 + (i * 7) % 60, "ignore_eos": i % 2 == 0,
+                "stream": i % 3 != 0, "n": 1 + (i % 4 == 0), "stop": ["zzz"] if i % 5 == 0 else None}
+        timeout = 0.05 + (i % 4) * 0.05 if i % 6 == 1 else 60
+        try:
+            if body["stream"]:
+                async with c.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
+                    assert r.status_code == 200
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += 1
+                        if i % 7 == 3 and n > 4:
+                            return "left"
+                    return "done"
+            r = await c.post("/v1/completions", json=body, timeout=timeout)
+            assert r.status_code == 200, r.text
+            return "done"
+        except httpx.TimeoutException:
+            return "timeout"
+
+    async def fire(url):
+        async with httpx.AsyncClient(base_url=url) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(48)))
+
+    with ServerThread(engine) as srv:
+        results = asyncio.run(fire(srv.url))
+        assert results.count("done") >= 20
+        st = wait_idle(engine, timeout=10)
+        assert st.kv_free + st.kv_evictable == st.kv_capacity
+        t0 = time.monotonic()
+        while engine._tracks and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        assert not engine._tracks
+        engine.scheduler.check_integrity()

@@ -91,8 +91,24 @@ def test_models_and_health(server, oc, model):
     assert "KV cache" in log_path.read_text()  # capacity logged at start
 
 
+def greedy_chat(oc, model, **kw):
+    return oc.chat.completions.create(model=model, messages=MSG, max_tokens=24, temperature=0, **kw)
+
+
+@pytest.mark.xfail(EXECUTOR == "torch", strict=False,
+                   reason="known: a prefix-cache hit changes greedy tokens (TorchExecutor batch invariance)")
+def test_greedy_same_with_and_without_prefix_cache_hit(oc, model):
+    """DESIGN.md: under greedy sampling in batch-invariant mode a request's tokens are the same
+    whether or not its prompt was served from the prefix cache."""
+    cold = greedy_chat(oc, model)     # first use of MSG in this server: no cache hit
+    warm = greedy_chat(oc, model)
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0 or EXECUTOR == "sim"
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
 def test_chat_non_stream_and_stream_agree(oc, model):
-    r = oc.chat.completions.create(model=model, messages=MSG, max_tokens=24, temperature=0)
+    greedy_chat(oc, model)        # warm the prefix cache: the requests compared below both hit it
+    r = greedy_chat(oc, model)
     c = r.choices[0]
     assert c.message.role == "assistant" and c.message.content
     assert c.finish_reason in ("stop", "length")
@@ -109,6 +125,7 @@ def test_chat_non_stream_and_stream_agree(oc, model):
 
 
 def test_completions_non_stream_and_stream(oc, model):
+    oc.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
     r = oc.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
     assert r.choices[0].text and r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.completion_tokens <= 12
@@ -131,6 +148,8 @@ def test_n2(oc, model):
 
 
 def test_stop_string(oc, model):
+    oc.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=24, temperature=0,
+                          extra_body={"ignore_eos": True})   # warm the prefix cache
     base = oc.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=24, temperature=0,
                                  extra_body={"ignore_eos": True}).choices[0].text
     assert len(base) > 8

@@ -73,6 +73,26 @@ class TokenizerAdapter:
         except TypeError:
             return self.tok.decode(list(ids))
 
+    def candidate_ids(self) -> list[int]:
+        """Token ids worth testing as safe words, ascending: from the vocabulary's
+        byte-level spelling ("Ġword") when it is at hand, else every id."""
+        hf = getattr(self.tok, "hf", None) or self.tok
+        vocab = None
+        for obj in (hf, self.tok):
+            gv = getattr(obj, "get_vocab", None)
+            if callable(gv):
+                try:
+                    vocab = gv()
+                    break
+                except Exception:
+                    pass
+        if vocab:
+            pat = re.compile(r"^(\u0120|\u2581| )[a-z]{3,9}$")
+            ids = sorted(i for t, i in vocab.items() if isinstance(t, str) and pat.match(t))
+            if len(ids) >= 256:
+                return ids
+        return list(range(self.vocab_size))
+
     @property
     def vocab_size(self) -> int:
         tok = self.tok
@@ -123,14 +143,15 @@ class PromptBuilder:
         if self.tok is None:
             return [" " + w for w in _FALLBACK_WORDS]
         words = []
-        n = self.tok.vocab_size
-        for i in range(n):
+        for i in self.tok.candidate_ids():
             try:
                 s = self.tok.decode([i])
             except Exception:
                 continue
             if _WORD.match(s) and self.tok.encode(s) == [i]:
                 words.append(s)
+                if len(words) >= 4096:
+                    break
         if len(words) < 64:
             raise RuntimeError(f"tokenizer has only {len(words)} safe words; cannot build prompts")
         words.sort()

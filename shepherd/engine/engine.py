@@ -99,7 +99,11 @@ class EngineOutput:
 
 
 class RequestStream:
-    """Async iterator over one request's EngineOutputs; ends after the terminal one.
+    """One request's EngineOutputs: awaitable (admission) and async-iterable (deltas).
+
+        stream = await engine.submit(...)   # waits until the scheduler accepted it (or raises)
+        async for out in stream: ...        # ends after the terminal output
+        async for out in engine.submit(...): ...   # also fine: admission is awaited first
 
     Leaving the iteration early does not abort by itself: call `abort()` (the
     server does so in a finally on every exit path)."""
@@ -110,6 +114,19 @@ class RequestStream:
         self.loop = loop
         self.queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self.finished = False
+        self.admitted: asyncio.Future = loop.create_future()
+
+    async def wait_admitted(self) -> "RequestStream":
+        """Raises QueueFull, RequestRejected or EngineDeadError; a cancelled waiter aborts the request."""
+        try:
+            await asyncio.shield(self.admitted)
+        except asyncio.CancelledError:
+            self.engine.abort(self.req_id)
+            raise
+        return self
+
+    def __await__(self):
+        return self.wait_admitted().__await__()
 
     def __aiter__(self):
         return self
@@ -117,6 +134,8 @@ class RequestStream:
     async def __anext__(self) -> EngineOutput:
         if self.finished:
             raise StopAsyncIteration
+        if not self.admitted.done() or self.admitted.exception() is not None:
+            await self.wait_admitted()
         out = await self.queue.get()
         if out.finished:
             self.finished = True
@@ -186,6 +205,14 @@ class _Add:
         self.req, self.stream, self.future, self.loop = req, stream, future, loop
 
 
+def _answer(it: "_Add", exc: Optional[BaseException]) -> None:
+    """Resolve an add's future from the engine thread (a closed loop is ignored)."""
+    try:
+        it.loop.call_soon_threadsafe(_resolve, it.future, exc)
+    except RuntimeError:
+        pass
+
+
 def _resolve(fut: asyncio.Future, exc: Optional[BaseException]) -> None:
     if fut.done():
         return
@@ -229,6 +256,7 @@ class Engine:
         self._cv = threading.Condition()
         self._intake: collections.deque = collections.deque()
         self._tracks: dict[str, _Track] = {}        # engine thread only
+        self._unanswered: list = []                 # engine thread only
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
         self._watchdog_thread: Optional[threading.Thread] = None
@@ -303,31 +331,26 @@ class Engine:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams, req_id: Optional[str] = None,
-                     client: str = "default", priority: int = 0) -> RequestStream:
-        """Hand a request to the engine thread; returns once the scheduler accepted it.
+    def submit(self, prompt_ids: list[int], params: SamplingParams, req_id: Optional[str] = None,
+               client: str = "default", priority: int = 0) -> RequestStream:
+        """Hand a request to the engine thread (call from a running event loop).
 
-        Raises QueueFull, RequestRejected, or EngineDeadError. If the caller is
-        cancelled while waiting, the request is aborted."""
+        Returns a RequestStream at once; `await` it to learn whether the scheduler
+        accepted the request (raises QueueFull, RequestRejected, EngineDeadError),
+        then iterate it. Raises EngineDeadError right away if the engine is not running."""
         loop = asyncio.get_running_loop()
         req_id = req_id or self.new_request_id()
         req = Request(req_id=req_id, prompt_ids=list(prompt_ids), params=params, arrival=time.monotonic(),
                       client=client or "default", priority=int(priority or 0),
                       eos_token_ids=self.eos_token_ids)
         stream = RequestStream(self, req_id, loop)
-        fut = loop.create_future()
         with self._cv:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
             if self._stopping or self._thread is None:
                 raise EngineDeadError("engine is not running")
-            self._intake.append(_Add(req, stream, fut, loop))
+            self._intake.append(_Add(req, stream, stream.admitted, loop))
             self._cv.notify()
-        try:
-            await fut
-        except asyncio.CancelledError:
-            self.abort(req_id)
-            raise
         return stream
 
     def abort(self, req_id: str) -> None:
@@ -371,19 +394,18 @@ class Engine:
         if not items:
             return
         now = time.monotonic()
+        # adds not yet answered: if anything below raises, _fail_all answers them
+        self._unanswered = [it for it in items if isinstance(it, _Add)]
         for it in items:
             if isinstance(it, _Add):
                 try:
                     self.scheduler.add(it.req, now)
                 except (QueueFull, RequestRejected) as e:
-                    it.loop.call_soon_threadsafe(_resolve, it.future, e)
+                    _answer(it, e)
                     continue
-                except Exception as e:  # a scheduler bug must not leave the caller hanging
-                    it.loop.call_soon_threadsafe(_resolve, it.future, e)
-                    raise
                 self._tracks[it.req.req_id] = self._new_track(it.req, it.stream)
                 self.metrics.prompt_tokens.inc(len(it.req.prompt_ids))
-                it.loop.call_soon_threadsafe(_resolve, it.future, None)
+                _answer(it, None)
             else:
                 out = self.scheduler.abort(it, now)
                 tr = self._tracks.get(it)
@@ -391,6 +413,7 @@ class Engine:
                     self._terminal(tr, FinishReason.ABORT.value, now)
                 elif out is not None:
                     logger.debug("abort of untracked request %s", it)
+        self._unanswered = []
         self._refresh_stats()
 
     def _new_track(self, req: Request, stream: RequestStream) -> _Track:
@@ -544,17 +567,19 @@ class Engine:
             self._intake.clear()
         for it in leftover:
             if isinstance(it, _Add):
-                it.loop.call_soon_threadsafe(_resolve, it.future, EngineDeadError("engine stopped"))
+                _answer(it, EngineDeadError("engine stopped"))
 
     def _fail_all(self, message: str) -> None:
         with self._cv:
             self._dead = message
             leftover = list(self._intake)
             self._intake.clear()
+        leftover = list(self._unanswered) + leftover
+        self._unanswered = []
         now = time.monotonic()
         for it in leftover:
             if isinstance(it, _Add):
-                it.loop.call_soon_threadsafe(_resolve, it.future, EngineDeadError(message))
+                _answer(it, EngineDeadError(message))
         for tr in list(self._tracks.values()):
             if not tr.done:
                 try:

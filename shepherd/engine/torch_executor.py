@@ -81,7 +81,8 @@ class TorchExecutor:
                  kv_block: int = 64):
         cfg = cfg or EngineConfig()
         self.cfg = cfg
-        threads = cfg.num_threads or min(os.cpu_count() or 1, 64)
+        threads = (cfg.num_threads or int(os.environ.get("SHEPHERD_NUM_THREADS", "0") or 0)
+                   or min(os.cpu_count() or 1, 64))
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
         if loaded is None:

@@ -49,6 +49,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shepherd.gateway.backends import Backend, BackendPool, normalize_url
+from shepherd.gateway.http1 import Http1Pool, Response, UpstreamError
 from shepherd.gateway.routing import NoReplicaAvailable, RouteRequest, RoutingPolicy
 
 log = logging.getLogger("shepherd.gateway")
@@ -57,7 +58,7 @@ PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
 # request headers never forwarded to a backend
 _DROP_REQ = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding",
              b"te", b"trailer", b"upgrade", b"proxy-connection", b"proxy-authorization",
-             b"accept-encoding"}
+             b"accept-encoding", b"expect"}
 # response headers never copied back to the client
 _DROP_RESP = {"content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
               "upgrade", "date", "server"}
@@ -72,8 +73,7 @@ class GatewayConfig:
     read_timeout: float = 120.0      # longest silence from a backend (to headers, first and next chunks)
     write_timeout: float = 30.0
     pool_timeout: float = 30.0
-    max_connections: int = 2048
-    max_keepalive: int = 512
+    max_keepalive: int = 512         # idle connections kept per backend
     max_body_bytes: int = 32 << 20
     models_timeout: float = 5.0
     backend_header: bool = True      # add x-shepherd-backend to responses
@@ -226,7 +226,8 @@ class Gateway:
         self.policy_name = policy_name or policy.name
         self.cfg = config or GatewayConfig()
         self.metrics = GatewayMetrics(self, registry)
-        self.client: Optional[httpx.AsyncClient] = None
+        self.client: Optional[httpx.AsyncClient] = None      # /v1/models fan-out
+        self.upstream: Optional[Http1Pool] = None            # proxied requests
         self.in_flight = 0
         self._started = False
         self._count_output = getattr(policy, "name", "") == "vtc-basic" or getattr(
@@ -242,9 +243,9 @@ class Gateway:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=c.connect_timeout, read=c.read_timeout,
                                   write=c.write_timeout, pool=c.pool_timeout),
-            limits=httpx.Limits(max_connections=c.max_connections,
-                                max_keepalive_connections=c.max_keepalive, keepalive_expiry=30.0),
             trust_env=False, follow_redirects=False)
+        self.upstream = Http1Pool(connect_timeout=c.connect_timeout, read_timeout=c.read_timeout,
+                                  max_idle_per_host=c.max_keepalive)
         await self.pool.start()
         self._started = True
 
@@ -256,6 +257,9 @@ class Gateway:
         if self.client is not None:
             await self.client.aclose()
             self.client = None
+        if self.upstream is not None:
+            await self.upstream.aclose()
+            self.upstream = None
 
     def _on_pool_change(self, removed_url: Optional[str]) -> None:
         if removed_url:
@@ -443,7 +447,8 @@ class Gateway:
         except asyncio.CancelledError:
             if not flags["gone"]:
                 raise
-            task.uncancel()
+            if hasattr(task, "uncancel"):       # Python >= 3.11
+                task.uncancel()
             m.errors.labels("client_abort").inc()
         finally:
             self.in_flight -= 1
@@ -492,8 +497,8 @@ class Gateway:
         m.errors.labels("upstream").inc()
         await _send_json(send, 502, error_body(f"all backends failed: {last_error}", "upstream_error", 502))
 
-    def _resp_headers(self, resp: httpx.Response, backend: Backend) -> list:
-        out = [(k, v) for k, v in resp.headers.raw if k.decode("latin-1").lower() not in _DROP_RESP]
+    def _resp_headers(self, resp: Response, backend: Backend) -> list:
+        out = [(k, v) for k, v in resp.headers_raw if k.decode("latin-1").lower() not in _DROP_RESP]
         if self.cfg.backend_header:
             out.append((b"x-shepherd-backend", backend.url.encode()))
         return out
@@ -502,7 +507,7 @@ class Gateway:
         """One try on one backend. Returns (done, why, retryable_answer):
         done=True when the client got a complete answer (or an error event
         after the first byte); else nothing was sent and the caller may retry."""
-        assert self.client is not None
+        assert self.upstream is not None
         m, pool, state = self.metrics, self.pool, backend.state
         state.in_flight += 1
         backend.total_requests += 1
@@ -510,22 +515,18 @@ class Gateway:
         out_tokens = 0
         status_label = "error"
         try:
-            req = self.client.build_request("POST", backend.url + path, content=body, headers=fwd)
             try:
-                resp = await self.client.send(req, stream=True)
-            except httpx.TimeoutException as e:
-                pool.record_failure(backend, f"timeout: {type(e).__name__}")
-                return False, f"timeout: {type(e).__name__} before response from {backend.url}", None
-            except (httpx.HTTPError, OSError) as e:
-                pool.record_failure(backend, f"connect: {type(e).__name__}")
-                return False, f"connect: {type(e).__name__} from {backend.url}", None
+                resp = await self.upstream.request("POST", backend.url, path, fwd, body)
+            except UpstreamError as e:
+                pool.record_failure(backend, f"{e.kind}: {e}")
+                return False, f"{e.kind}: {e} ({backend.url})", None
             try:
                 status = resp.status_code
                 status_label = str(status)
                 if status >= 500 or status == 429:
                     try:
-                        data = b"".join([c async for c in resp.aiter_raw()])
-                    except (httpx.HTTPError, OSError):
+                        data = await resp.read()
+                    except UpstreamError:
                         data = json.dumps(error_body(f"backend answered {status}", "upstream_error",
                                                      status)).encode()
                     if status in (429, 503):
@@ -533,19 +534,14 @@ class Gateway:
                     else:
                         pool.record_failure(backend, f"HTTP {status}")
                         why = f"status: HTTP {status} from {backend.url}"
-                    hdrs = [(k, v) for k, v in self._resp_headers(resp, backend)]
-                    return False, why, (status, hdrs, data)
+                    return False, why, (status, self._resp_headers(resp, backend), data)
                 pool.record_success(backend)
-                ctype = resp.headers.get("content-type", "")
-                if not ctype.startswith("text/event-stream"):
+                if not resp.content_type.startswith("text/event-stream"):
                     try:
-                        data = b"".join([c async for c in resp.aiter_raw()])
-                    except httpx.TimeoutException as e:
-                        pool.record_failure(backend, f"timeout: {type(e).__name__}")
-                        return False, f"timeout: {type(e).__name__} reading body from {backend.url}", None
-                    except (httpx.HTTPError, OSError) as e:
-                        pool.record_failure(backend, f"body: {type(e).__name__}")
-                        return False, f"body: {type(e).__name__} from {backend.url}", None
+                        data = await resp.read()
+                    except UpstreamError as e:
+                        pool.record_failure(backend, f"{e.kind}: {e}")
+                        return False, f"{e.kind}: {e} reading the body ({backend.url})", None
                     if self._count_output and status == 200:
                         out_tokens = _usage_tokens(data)
                     headers = self._resp_headers(resp, backend)
@@ -554,17 +550,14 @@ class Gateway:
                     await send({"type": "http.response.body", "body": data})
                     return True, "", None
                 # SSE: wait for the first chunk before anything goes to the client
-                it = resp.aiter_raw()
+                it = resp.iter_raw()
                 try:
                     first = await it.__anext__()
                 except StopAsyncIteration:
                     first = b""
-                except httpx.TimeoutException as e:
-                    pool.record_failure(backend, f"timeout: {type(e).__name__}")
-                    return False, f"timeout: {type(e).__name__} before first chunk from {backend.url}", None
-                except (httpx.HTTPError, OSError) as e:
-                    pool.record_failure(backend, f"stream: {type(e).__name__}")
-                    return False, f"stream: {type(e).__name__} before first chunk from {backend.url}", None
+                except UpstreamError as e:
+                    pool.record_failure(backend, f"{e.kind}: {e}")
+                    return False, f"{e.kind}: {e} before the first chunk ({backend.url})", None
                 await send({"type": "http.response.start", "status": status,
                             "headers": self._resp_headers(resp, backend)})
                 count = self._count_output
@@ -577,20 +570,18 @@ class Gateway:
                         if count:
                             out_tokens += chunk.count(b"data: ")
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except (httpx.HTTPError, OSError) as e:
+                except UpstreamError as e:
                     # after the first byte: tell the client in-band and end the stream
-                    kind = "timeout" if isinstance(e, httpx.TimeoutException) else "stream"
-                    pool.record_failure(backend, f"{kind}: {type(e).__name__} mid-stream")
+                    pool.record_failure(backend, f"{e.kind}: {e} mid-stream")
                     m.errors.labels("stream_error").inc()
                     status_label = "stream_error"
-                    ev = error_body(f"backend {backend.url} failed mid-stream: {type(e).__name__}",
-                                    "upstream_error", 502)
+                    ev = error_body(f"backend {backend.url} failed mid-stream: {e}", "upstream_error", 502)
                     await send({"type": "http.response.body",
                                 "body": b"data: " + json.dumps(ev).encode() + b"\n\n", "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return True, "", None
             finally:
-                await resp.aclose()
+                resp.close()
         finally:
             state.in_flight -= 1
             m.requests.labels(backend.url, status_label).inc()

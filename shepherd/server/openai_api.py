@@ -41,6 +41,8 @@ from shepherd.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("shepherd.server")
 
+SAMPLING_EPS = 1e-5
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
@@ -182,9 +184,12 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
         return body
 
     def build_params(body, max_tokens: int, logprobs: Optional[int], seed: Optional[int]) -> SamplingParams:
+        temperature = 1.0 if body.temperature is None else float(body.temperature)
+        if temperature < SAMPLING_EPS:
+            temperature = 0.0   # vLLM's rule: a tiny temperature is greedy (and never divides by ~0)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else float(body.temperature),
+            temperature=temperature,
             top_p=1.0 if body.top_p is None else float(body.top_p),
             top_k=body.top_k if body.top_k and body.top_k > 0 else 0,
             min_p=float(body.min_p),

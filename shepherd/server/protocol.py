@@ -22,7 +22,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: Optional[str] = None          # optional like vLLM: defaults to the served model
     n: int = Field(1, ge=1, le=128)

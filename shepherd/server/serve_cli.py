@@ -80,6 +80,9 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         if args.max_total_tokens < 1:
             raise ConfigError(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}")
         sched.max_total_tokens = args.max_total_tokens
+    elif args.page_size >= 1:
+        # capacity comes from the executor later (rounded down to whole pages by the engine)
+        sched.max_total_tokens = max(args.page_size, sched.max_total_tokens // args.page_size * args.page_size)
     sched.validate()
     eng = EngineConfig(model=args.model, dtype=args.dtype, executor=args.executor,
                        max_total_tokens=args.max_total_tokens, host_kv_tokens=args.host_kv_tokens,

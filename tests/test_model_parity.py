@@ -1,0 +1,161 @@
+"""Parity of shepherd's own Llama forward with transformers' implementation
+loading the same GGUF (a test-only reference), checked the way vLLM's tests
+check it: greedy tokens equal, or at the first divergence each side's token is
+among the other's top-5 logprobs. float32 and bfloat16, alone and batched."""
+import os
+
+import pytest
+import torch
+
+from shepherd.config import EngineConfig
+from shepherd.engine.executor import ScheduledBatch, ScheduledSeq
+from shepherd.request import Request, RequestState, SamplingParams
+
+pytestmark = pytest.mark.model
+
+NEW_TOKENS = 20
+TOP = 5
+QUESTIONS = [
+    "hi",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 100.",
+]
+RAW = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    ("In the beginning of the twentieth century, the city grew quickly as factories opened along the "
+     "river and workers arrived from the countryside. Housing was scarce, streets were crowded, and "
+     "the municipal government struggled to provide clean water and sanitation. Reformers argued that ") * 3,
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_path):
+    from shepherd.model.loader import load_tokenizer
+    tok = load_tokenizer(default_model_path)
+    ps = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    ps += [tok.encode(t) for t in RAW]
+    lens = sorted(len(p) for p in ps)
+    assert len(ps) >= 8 and lens[0] < 10 and lens[-1] > 120     # mixed lengths
+    return ps
+
+
+def hf_greedy(model, prompt, n):
+    """Greedy continuation with transformers' own forward and KV cache (no EOS stop).
+    Returns tokens and, per step, the top-5 (ids, logprobs) and the full logprobs."""
+    toks, tops, lps = [], [], []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+            t = int(lp.argmax())
+            toks.append(t)
+            tops.append(torch.topk(lp, TOP).indices.tolist())
+            lps.append(lp)
+            out = model(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+    return toks, tops
+
+
+def shepherd_greedy(ex, prompts, n, chunk=None):
+    """Run prompts together through the executor (a tiny synchronous loop)."""
+    reqs, next_slot = [], 0
+    for i, p in enumerate(prompts):
+        r = Request(req_id=f"p{i}", prompt_ids=list(p),
+                    params=SamplingParams(max_tokens=n, temperature=0.0, logprobs=TOP))
+        r.slots = list(range(next_slot, next_slot + len(p) + n))
+        next_slot += len(p) + n
+        r.state = RequestState.RUNNING
+        reqs.append(r)
+    tops = {r.req_id: [] for r in reqs}
+    done = {r.req_id: 0 for r in reqs}
+    step = 0
+    while any(len(r.output_ids) < n for r in reqs):
+        seqs = []
+        for r in reqs:
+            if done[r.req_id] < len(r.prompt_ids):
+                st = done[r.req_id]
+                k = len(r.prompt_ids) - st if chunk is None else min(chunk, len(r.prompt_ids) - st)
+                seqs.append(ScheduledSeq(req=r, token_ids=r.prompt_ids[st:st + k], start_pos=st,
+                                         sample=st + k == len(r.prompt_ids), fresh=st == 0))
+                done[r.req_id] = st + k
+            elif len(r.output_ids) < n:
+                seqs.append(ScheduledSeq(req=r, token_ids=[r.output_ids[-1]], start_pos=r.num_tokens - 1,
+                                         sample=True))
+        res = ex.execute(ScheduledBatch(step=step, seqs=seqs))
+        step += 1
+        for r in reqs:
+            if r.req_id in res.tokens:
+                r.output_ids.append(res.tokens[r.req_id])
+                lp = res.logprobs[r.req_id]
+                assert lp.token_id == r.output_ids[-1]
+                tops[r.req_id].append([i for i, _ in lp.top])
+    for r in reqs:
+        r.state = RequestState.FINISHED
+    ex.execute(ScheduledBatch(step=step, released=[r.req_id for r in reqs]))
+    return [(r.output_ids, tops[r.req_id]) for r in reqs]
+
+
+def check_close(ref, got, label):
+    """vLLM's check_logprobs_close: equal, or each side's token in the other's top-5 at the
+    first divergence (and nothing is compared after it)."""
+    (rt, rtop), (gt, gtop) = ref, got
+    assert len(rt) == len(gt) == NEW_TOKENS
+    for i, (a, b) in enumerate(zip(rt, gt)):
+        if a != b:
+            assert a in gtop[i], f"{label}: step {i}: reference token {a} not in shepherd's top-5 {gtop[i]}"
+            assert b in rtop[i], f"{label}: step {i}: shepherd token {b} not in reference top-5 {rtop[i]}"
+            return i
+    return None
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def setup(request, default_model_path, prompts):
+    transformers = pytest.importorskip("transformers")
+    from shepherd.engine.torch_executor import TorchExecutor
+    dtype = request.param
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path),
+        dtype=getattr(torch, dtype))
+    model.eval()
+    refs = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    del model
+    ex = TorchExecutor(EngineConfig(model=default_model_path, dtype=dtype, max_total_tokens=8192))
+    return dtype, ex, refs
+
+
+def test_parity_alone(setup, prompts):
+    dtype, ex, refs = setup
+    diverged = 0
+    for i, p in enumerate(prompts):
+        got = shepherd_greedy(ex, [p], NEW_TOKENS)[0]
+        if check_close(refs[i], got, f"{dtype} alone prompt {i}") is not None:
+            diverged += 1
+    assert diverged <= len(prompts) // 2, "too many early divergences"
+
+
+def test_parity_batched(setup, prompts):
+    dtype, ex, refs = setup
+    got = shepherd_greedy(ex, prompts, NEW_TOKENS)
+    for i in range(len(prompts)):
+        check_close(refs[i], got[i], f"{dtype} batched prompt {i}")
+
+
+def test_parity_batched_chunked_prefill(setup, prompts):
+    dtype, ex, refs = setup
+    got = shepherd_greedy(ex, prompts, NEW_TOKENS, chunk=37)
+    for i in range(len(prompts)):
+        check_close(refs[i], got[i], f"{dtype} chunked prompt {i}")
+
+
+def test_parity_not_batch_invariant_mode(setup, prompts, default_model_path):
+    """The fast (non batch-invariant) attention path agrees too."""
+    dtype, ex, refs = setup
+    ex.model.batch_invariant = False
+    try:
+        got = shepherd_greedy(ex, prompts, NEW_TOKENS)
+    finally:
+        ex.model.batch_invariant = True
+    for i in range(len(prompts)):
+        check_close(refs[i], got[i], f"{dtype} non-invariant prompt {i}")
