@@ -122,7 +122,7 @@ class SchedulerStats:
 class _Entry:
     """Scheduler-private bookkeeping for one request."""
     __slots__ = ("req", "seq", "enq_step", "admit_seq", "node", "cached_len", "limit", "final",
-                 "rand_key", "fresh", "host_tokens", "admitted_once", "stop_ids")
+                 "rand_key", "fresh", "host_tokens", "admitted_once", "stop_ids", "out_at_admit")
 
     def __init__(self, req: Request, seq: int, step: int, limit: int, rand_key: float):
         self.req = req
@@ -137,6 +137,7 @@ class _Entry:
         self.fresh = False
         self.host_tokens = 0
         self.admitted_once = False
+        self.out_at_admit = 0
         stop = set(req.params.stop_token_ids)
         if not req.params.ignore_eos:
             stop.update(req.eos_token_ids)
@@ -478,6 +479,7 @@ class Scheduler:
         if req.admitted_at is None:
             req.admitted_at = now
         e.admitted_once = True
+        e.out_at_admit = len(req.output_ids)
         self._admit_seq += 1
         e.admit_seq = self._admit_seq
         self._running.append(e)
@@ -487,16 +489,18 @@ class Scheduler:
         if not self._swapped:
             return
         adm = self._admission_state()
-        top = None
-        if self.cfg.policy == "priority" and self._waiting:
-            top = max(e.req.priority for e in self._waiting)
+        prio = self.cfg.policy == "priority"
+        top = max((e.req.priority for e in self._waiting), default=None) if prio else None
         while self._swapped and len(self._running) < self.cfg.max_batch_size:
-            e = self._swapped[0]
-            if top is not None and e.req.priority < top:
-                break        # a higher-priority request waits: do not swap a lower one back in first
+            if prio:
+                e = max(self._swapped, key=lambda x: (x.req.priority, -x.seq))
+                if top is not None and e.req.priority < top:
+                    break    # a higher-priority request waits: it goes first
+            else:
+                e = self._swapped[0]
             if not self._admit(e, adm, now, resume_swap=True):
                 break
-            self._swapped.popleft()
+            self._swapped.remove(e)
 
     def _admit_waiting(self, adm: AdmissionState, budget: int, now: float, batch: ScheduledBatch) -> int:
         """Admit waiting requests in policy order; returns tokens scheduled."""
@@ -614,8 +618,14 @@ class Scheduler:
         # fault injection
         k = cfg.debug_preempt_every
         if k and step % k == 0 and self._running:
+            # only a request that produced a token since it was (re)admitted, so that
+            # injected faults can never livelock a long chunked prefill
+            saved = self._running
+            self._running = [e for e in saved if len(e.req.output_ids) > e.out_at_admit]
             v = self._pick_victim()
-            self._preempt(v, batch, f"debug_preempt_every={k}")
+            self._running = saved
+            if v is not None:
+                self._preempt(v, batch, f"debug_preempt_every={k}")
 
         # swapped requests come back before anything new is admitted
         self._try_swap_in(now)
