@@ -148,10 +148,10 @@ def _deepest_node(tree, ids):
         if child is None:
             break
         m = _common_len(child.key, ids, i)
+        node = child             # a partial match still belongs to this subtree
         if m < len(child.key):
             break
         i += m
-        node = child
     return node
 
 

@@ -328,6 +328,33 @@ class Scheduler:
         e.cached_len = 0
         req.slots = []
 
+    def _cache_prefilled(self, e: _Entry) -> None:
+        """SGLang's cache_unfinished_req: once a prompt is computed, put it in the
+        prefix cache right away (not only when the request ends), so that requests
+        arriving meanwhile with the same prefix hit it. Where the tree already held
+        some of these tokens, the request switches to the tree's slots and frees its
+        duplicates (the executor is told with fresh=True)."""
+        req = e.req
+        p = self.page_size
+        n = req.num_computed
+        n -= n % p
+        if n <= e.cached_len:
+            return
+        tree = self.tree
+        ids = req.all_ids[:n]
+        existing = tree.insert(ids, req.slots[:n])
+        slots, node = tree.match_prefix(ids, touch=False)
+        assert len(slots) == n
+        if existing > e.cached_len:
+            self.pool.free(self.pool.pages_of(req.slots, e.cached_len, existing))
+            req.slots[e.cached_len:existing] = slots[e.cached_len:existing]
+            e.fresh = True
+        tree.inc_lock_ref(node)
+        if e.node is not None:
+            tree.dec_lock_ref(e.node)
+        e.node = node
+        e.cached_len = n
+
     def _reset_ratio(self, base: float) -> None:
         self._ratio_base = base
         self._ratio_steps = 0
@@ -738,6 +765,8 @@ class Scheduler:
             if tok is None:
                 outs.append(self._end(e, FinishReason.ERROR, now, error="executor returned no token"))
                 continue
+            if self.tree is not None and len(req.output_ids) == e.out_at_admit:
+                self._cache_prefilled(e)
             req.output_ids.append(tok)
             s.generated_tokens += 1
             self.policy.on_tokens(e, 1)
@@ -850,8 +879,8 @@ class Scheduler:
         d_any = False
         for e in running:
             r = e.req
-            if r.num_computed != r.num_tokens - 1 or e.fresh:
-                return 0
+            if r.num_computed != r.num_tokens - 1 or e.fresh or len(r.output_ids) == e.out_at_admit:
+                return 0      # prefill pending, new slots, or the first token (caches the prompt) not out yet
             if len(r.slots) != r.num_computed:
                 d_any = True
             left = e.limit - len(r.output_ids) - 1
