@@ -79,16 +79,16 @@ def workloads(quick: bool, trace: Path | None) -> list[dict]:
         n = max(2, c) if quick else max(4, 2 * c)
         w.append({"name": f"fixed-{c}", "kind": "fixed", "concurrency": c,
                   "args": ["--num-requests", n, "--input-len", 64 if quick else 128,
-                           "--output-len", 32 if quick else 128, "--max-concurrency", c]})
+                           "--output-len", 16 if quick else 128, "--max-concurrency", c]})
     if trace is not None and trace.exists():
         w.append({"name": "poisson", "kind": "poisson",
-                  "args": ["--trace", trace, "--format", "azure", "--limit", 20 if quick else 200,
+                  "args": ["--trace", trace, "--format", "azure", "--limit", 10 if quick else 200,
                            "--length-scale", 0.25, "--max-input-len", 1024, "--max-output-len", 256]})
     elif trace is not None:
         log(f"no Azure trace at {trace}: the poisson workload is skipped")
     w.append({"name": "shared-prefix", "kind": "prefix",
-              "args": ["--num-requests", 16 if quick else 64, "--shared-prefix", 1000, "--input-len", 32,
-                       "--output-len", 16 if quick else 64, "--max-concurrency", 8 if quick else 16]})
+              "args": ["--num-requests", 8 if quick else 64, "--shared-prefix", 1000, "--input-len", 32,
+                       "--output-len", 8 if quick else 64, "--max-concurrency", 8 if quick else 16]})
     return w
 
 

@@ -8,7 +8,7 @@ length (EOS), so a reservation-based mode pays for tokens never generated,
 as in the seed's example; the KV pool is limited (default 32,768 tokens, a
 small kv_cache_free_gpu_mem_fraction) so that admission matters.
 
-    .venv/bin/python benchmarks/simulate_seed003.py [--limit 4000] [--kv 32768] [--max-tokens 2048] [--out docs/img]
+    .venv/bin/python benchmarks/simulate_seed003.py [--limit 1500] [--kv 32768] [--max-tokens 2048] [--out docs/img]
 """
 import argparse
 from pathlib import Path
@@ -24,12 +24,15 @@ AZURE = "/work/shared/data/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace", default=AZURE)
-    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--limit", type=int, default=1500)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--kv", type=int, default=32768)
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--out", default="docs/img")
+    ap.add_argument("--window", default="240,260", help="timeline panel: arrivals in this window (s)")
     a = ap.parse_args()
+    win = tuple(float(x) for x in a.window.split(","))
+    runs = {}
     trace = load_trace(a.trace, limit=a.limit, time_scale=a.time_scale)
     print(f"{len(trace)} requests over {trace[-1].arrival:,.0f} s; Llama-3-8B on one H100, KV {a.kv:,} tokens, "
           f"max_tokens {a.max_tokens}")
@@ -53,6 +56,32 @@ def main() -> None:
               f"{s['output_tok_s']:.0f} | {s['preemptions']} | {s['kv_peak_used_tokens']:,} | {mean_run:.1f} |")
         out = Path(a.out) / f"seed003_{mode}"
         write_report(out, s, res.records, ts, title=f"seed 003, {mode}", max_timeline_rows=300)
+        runs[mode] = res
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from shepherd.bench.report import draw_timeline
+    fig, axs = plt.subplots(2, 3, figsize=(16, 8), gridspec_kw={"height_ratios": [3, 1]})
+    for i, (mode, res) in enumerate(runs.items()):
+        sel = [r for r in res.records if win[0] <= r.arrival < win[1]]
+        draw_timeline(axs[0, i], sel, legend=(i == 0))
+        axs[0, i].set_title(f"{mode}: requests arriving in [{win[0]:g}, {win[1]:g}) s")
+        ts = res.timeseries
+        t = np.asarray(ts["t"])
+        axs[1, i].plot(t, ts["kv_used"], lw=0.8, drawstyle="steps-post", label="KV used")
+        axs[1, i].axhline(a.kv, ls="--", color="k", lw=0.8, label="capacity")
+        axs[1, i].set_ylabel("KV tokens")
+        axs[1, i].set_ylim(0, a.kv * 1.1)
+        tw = axs[1, i].twinx()
+        tw.plot(t, ts["waiting"], lw=0.8, drawstyle="steps-post", color="C1", label="queued")
+        tw.set_ylabel("queued requests", color="C1")
+        axs[1, i].set_xlabel("time (s)")
+        axs[1, i].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    p = Path(a.out) / "seed003_timelines.png"
+    fig.savefig(p, dpi=100)
+    print(f"\nwrote {p} and {a.out}/seed003_<mode>/")
 
 
 if __name__ == "__main__":

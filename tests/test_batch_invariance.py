@@ -118,7 +118,7 @@ def test_prompt_split_in_two_chunks_equals_one_chunk(ex, prompts):
     loop = Loop(ex, seed=4)
     one = loop.run([p])[0]
     for split in (1, len(p) // 2, len(p) - 1):
-        two = loop.run([p], chunk=split if split >= len(p) / 2 else None)[0] if False else _two_chunks(loop, p, split)
+        two = _two_chunks(loop, p, split)
         assert two == one, f"split at {split}"
 
 

@@ -200,9 +200,9 @@ def test_n_seeds_are_distinct(scripted, client):
     seen = []
     orig = scripted.engine.submit
 
-    async def spy(prompt_ids, params, **kw):
+    def spy(prompt_ids, params, **kw):
         seen.append(params.seed)
-        return await orig(prompt_ids, params, **kw)
+        return orig(prompt_ids, params, **kw)
 
     scripted.engine.submit = spy
     try:
@@ -245,9 +245,9 @@ def test_client_and_priority_reach_the_request(scripted, client):
     seen = []
     orig = scripted.engine.submit
 
-    async def spy(prompt_ids, params, **kw):
+    def spy(prompt_ids, params, **kw):
         seen.append((kw.get("client"), kw.get("priority")))
-        return await orig(prompt_ids, params, **kw)
+        return orig(prompt_ids, params, **kw)
 
     scripted.engine.submit = spy
     try:
@@ -525,3 +525,16 @@ def test_mixed_load_with_disconnects_leaves_nothing_behind(tok):
             time.sleep(0.01)
         assert not engine._tracks
         engine.scheduler.check_integrity()
+
+
+def test_n_beyond_limits_is_429_and_releases_the_accepted_choices(tok):
+    ex = ScriptedExecutor(tok, tok.encode(TEXT), delay=0.005)
+    cfg = EngineConfig(executor="sim", scheduler=SchedulerConfig(max_concurrency=2, max_queue=8))
+    engine = Engine(cfg, executor=ex, tokenizer=tok)
+    with ServerThread(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 500, "ignore_eos": True, "n": 3})
+        assert r.status_code == 429 and r.headers["Retry-After"]
+        wait_idle(engine, timeout=2)
+        assert not engine._tracks
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2

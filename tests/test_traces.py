@@ -108,7 +108,7 @@ def test_synthetic_clients_rates_prefix_and_sessions():
     spec = T.SyntheticSpec(clients=[
         T.ClientSpec("a", rate=2.0, input_len="fixed:100", output_len="fixed:10", system_prompt_tokens=50),
         T.ClientSpec("b", rate=4.0, input_len="uniform:10:20", output_len="fixed:5", arrival="gamma", cv=2.0,
-                     turns=3, think_time=1.0),
+                     turns=3, think_time=1.0, system_prompt_tokens=30),
     ], duration=200.0, seed=7)
     reqs = T.synthetic(spec)
     assert reqs == T.synthetic(spec)                       # deterministic
@@ -125,6 +125,9 @@ def test_synthetic_clients_rates_prefix_and_sessions():
     p0, p1 = T.prompt_token_ids(turns[0], 5000), T.prompt_token_ids(turns[1], 5000)
     assert len(p1) > len(p0) and p1[:len(p0)] == p0        # turn 2 extends turn 1
     assert turns[1].arrival >= turns[0].arrival
+    other = next(v for k, v in sess.items() if v[0] is not turns[0])
+    q0 = T.prompt_token_ids(other[0], 5000)
+    assert q0[:30] == p0[:30] and q0[30:40] != p0[30:40]   # sessions share the system prompt only
 
 
 def test_parse_clients():

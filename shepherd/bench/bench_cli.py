@@ -164,7 +164,8 @@ def main(args) -> int:
         summary["preemptions"] = m["preemptions"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ts = res.server_timeseries if len(res.server_timeseries.get("t", ())) > 1 else None
+    st = res.server_timeseries
+    ts = st if len(st.get("t", ())) > 1 and "kv_used" in st else None  # the KV plot needs KV tokens
     report.write_report(out, summary, recs, timeseries=ts, plots=args.plots, title=args.label)
     with open(out / "records.jsonl", "w") as f:
         for r in recs:

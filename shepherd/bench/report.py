@@ -2,7 +2,9 @@
 
     summarize(records, *, duration_s=None, kv_capacity_tokens=None, kv_peak_used_tokens=None,
               prefix_hit_rate=None, slo_ttft=None, slo_tpot=None, wall_s=None, extra=None) -> dict
-    write_report(out_dir, summary, records, timeseries=None, *, plots=True, max_timeline_rows=400) -> list[Path]
+    write_report(out_dir, summary, records, timeseries=None, *, plots=True, max_timeline_rows=400,
+                 title="", timeline_window=None) -> list[Path]
+    draw_timeline(ax, records, ...)      one row per request, queued/prefill/decode/preempted colours
     format_table(summary) -> str
     percentile(values, q) -> float | None
 
@@ -282,8 +284,46 @@ STATE_COLORS = {"queued": "#bbbbbb", "prefill": "#ff7f0e", "decode": "#1f77b4", 
                 "swapped": "#9467bd"}
 
 
+def _intervals(r: RequestRecord):
+    if r.intervals:
+        return r.intervals
+    ivs = []
+    if r.first_token is not None:
+        ivs.append(("prefill", r.arrival, r.first_token))   # unknown split of queue and prefill
+        if r.finish is not None:
+            ivs.append(("decode", r.first_token, r.finish))
+    elif r.finish is not None:
+        ivs.append(("queued", r.arrival, r.finish))
+    return ivs
+
+
+def draw_timeline(ax, records: Sequence[RequestRecord], *, subsampled: bool = False, every: float = 1.0,
+                  legend: bool = True) -> None:
+    """One row per request (top = first), coloured by state: queued, prefill,
+    decode, preempted (from RequestRecord.intervals, or arrival/first token/finish)."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.lines import Line2D
+    segs: dict[str, list] = defaultdict(list)
+    for y, r in enumerate(records):
+        for st, a, b in _intervals(r):
+            segs[st].append([(a, y), (max(b, a + 1e-9), y)])
+    lw = max(0.6, min(6.0, 300.0 / max(len(records), 1)))
+    handles = []
+    for st, color in STATE_COLORS.items():
+        if segs.get(st):
+            ax.add_collection(LineCollection(segs[st], colors=color, linewidths=lw))
+            handles.append(Line2D([0], [0], color=color, lw=4, label=st))
+    ax.autoscale()
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("request" + (f" (every {every:.0f}th)" if subsampled else ""))
+    ax.invert_yaxis()
+    if handles and legend:
+        ax.legend(handles=handles, loc="upper right", fontsize=8)
+
+
 def write_report(out_dir, summary: dict, records: Sequence[RequestRecord], timeseries: Optional[dict] = None,
-                 *, plots: bool = True, max_timeline_rows: int = 400, title: str = "") -> list[Path]:
+                 *, plots: bool = True, max_timeline_rows: int = 400, title: str = "",
+                 timeline_window: Optional[tuple[float, float]] = None) -> list[Path]:
     """summary.json, and unless plots=False: timeline.png, kv.png (when timeseries),
     throughput.png, latency_cdf.png, client_service.png (more than one client)."""
     out = Path(out_dir)
@@ -294,43 +334,22 @@ def write_report(out_dir, summary: dict, records: Sequence[RequestRecord], times
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.collections import LineCollection
-    from matplotlib.lines import Line2D
 
     recs = list(records)
 
     # -- request timeline ---------------------------------------------------
     sel = recs
-    if len(recs) > max_timeline_rows:
-        step = len(recs) / max_timeline_rows
-        sel = [recs[int(i * step)] for i in range(max_timeline_rows)]
-    segs: dict[str, list] = defaultdict(list)
-    for y, r in enumerate(sel):
-        ivs = r.intervals
-        if not ivs:
-            ivs = []
-            if r.first_token is not None:
-                ivs.append(("prefill", r.arrival, r.first_token))
-                if r.finish is not None:
-                    ivs.append(("decode", r.first_token, r.finish))
-            elif r.finish is not None:
-                ivs.append(("queued", r.arrival, r.finish))
-        for st, a, b in ivs:
-            segs[st].append([(a, y), (max(b, a + 1e-9), y)])
+    if timeline_window is not None:
+        lo, hi = timeline_window
+        sel = [r for r in recs if lo <= r.arrival < hi]
+    if len(sel) > max_timeline_rows:
+        step = len(sel) / max_timeline_rows
+        sel = [sel[int(i * step)] for i in range(max_timeline_rows)]
     fig, ax = plt.subplots(figsize=(11, max(3.0, min(12.0, 2 + len(sel) * 0.025))))
-    lw = max(0.6, min(6.0, 300.0 / max(len(sel), 1)))
-    handles = []
-    for st, color in STATE_COLORS.items():
-        if segs.get(st):
-            ax.add_collection(LineCollection(segs[st], colors=color, linewidths=lw))
-            handles.append(Line2D([0], [0], color=color, lw=4, label=st))
-    ax.autoscale()
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("request" + (f" (every {len(recs) / len(sel):.0f}th)" if len(sel) < len(recs) else ""))
-    ax.set_title((title + ": " if title else "") + "request timeline")
-    ax.invert_yaxis()
-    if handles:
-        ax.legend(handles=handles, loc="upper right", fontsize=8)
+    draw_timeline(ax, sel, subsampled=len(sel) < len(recs) and timeline_window is None,
+                  every=len(recs) / max(1, len(sel)))
+    ax.set_title((title + ": " if title else "") + "request timeline"
+                 + (f" (arrivals in [{timeline_window[0]:g}, {timeline_window[1]:g}) s)" if timeline_window else ""))
     fig.tight_layout()
     p = out / "timeline.png"
     fig.savefig(p, dpi=110)
@@ -447,5 +466,5 @@ def write_report(out_dir, summary: dict, records: Sequence[RequestRecord], times
     return paths
 
 
-__all__ = ["SUMMARY_KEYS", "EXTRA_KEYS", "summarize", "format_table", "write_report", "write_summary",
+__all__ = ["SUMMARY_KEYS", "EXTRA_KEYS", "summarize", "format_table", "write_report", "write_summary", "draw_timeline",
            "percentile", "jain", "service_of"]

@@ -130,13 +130,18 @@ class TorchExecutor:
 
     # ------------------------------------------------------------------ invariance probe
     def _probe_gemm(self) -> None:
-        """Check that a GEMM row's bits do not depend on M; otherwise use fixed row tiles."""
+        """Check on this CPU that a GEMM row's bits do not depend on M (>= min_rows) or on
+        its position; otherwise fall back to fixed-size row tiles."""
         m = self.model
-        w = m.layers[0]["wgu"]
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(72, w.shape[1], generator=g).to(m.dtype)
-        ref = torch.nn.functional.linear(x[:m.min_rows], w)[0]
-        ok = all(torch.equal(torch.nn.functional.linear(x[:M], w)[0], ref) for M in (m.min_rows, 7, 16, 33, 64, 72))
+        ok = True
+        for w in (m.layers[0]["wgu"], m.layers[0]["wd"], m.layers[0]["wqkv"]):
+            x = torch.randn(80, w.shape[1], generator=g).to(m.dtype)
+            full = torch.nn.functional.linear(x, w)
+            for M in (m.min_rows, m.min_rows + 1, 7, 9, 16, 33):
+                for s in (0, 80 - M):
+                    if not torch.equal(torch.nn.functional.linear(x[s:s + M], w), full[s:s + M]):
+                        ok = False
         if not ok:
             m.row_tile = 16
             log.warning("GEMM rows are not batch invariant on this CPU: using fixed %d-row tiles", m.row_tile)

@@ -288,6 +288,9 @@ class Http1Pool:
             except (ValueError, IndexError):
                 conn.close()
                 raise ProtocolError(f"bad response head {raw[:80]!r}") from None
+            except ProtocolError:
+                conn.close()
+                raise
         raise RemoteClosed("server closed the connection before answering")
 
     async def aclose(self) -> None:

@@ -748,6 +748,9 @@ class SessionAffinityPolicy(RoutingPolicy):
     def on_finish(self, request, replica, output_tokens):
         self.fallback.on_finish(request, replica, output_tokens)
 
+    def forget(self, key):
+        self.fallback.forget(key)
+
 
 # ---------------------------------------------------------------------------
 # llm-d style: filters -> weighted normalised scorers -> picker

@@ -115,8 +115,12 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(self.hd)
         self.q_size = self.H * self.hd
         self.kv_size = self.KVH * self.hd
-        # minimum GEMM rows (fp32 MKL switches to GEMV for M < 4); tile rows if the probe says so
-        self.min_rows = 1 if dtype == torch.bfloat16 else 4
+        # Minimum GEMM rows: measured on this CPU, a row's bits differ between M=1 and M>=2
+        # in bf16 (oneDNN GEMV path), and between M<8 and M>=8 in fp32 (MKL small-M paths).
+        # Padding M up to min_rows makes every row take the GEMM path. If the start-up
+        # probe (TorchExecutor) still finds variance, fixed row tiles are used instead.
+        self.min_rows = 4 if dtype == torch.bfloat16 else 8
+        self.attn_min_rows = 1 if dtype == torch.bfloat16 else 8
         self.row_tile = 0
         W = weights
         cv = lambda t: t.to(dtype).contiguous()
@@ -257,6 +261,10 @@ class LlamaModel:
         B, KVH, M, hd = qg.shape
         G = self.G
         Q = M // G
+        M0 = M
+        if M < self.attn_min_rows:   # same GEMM path for a decode row as for a prefill row
+            qg = torch.cat([qg, qg.new_zeros((B, KVH, self.attn_min_rows - M, hd))], 2)
+            M = self.attn_min_rows
         Lp = K.shape[1]
         Bk = self.kv_block
         nb = Lp // Bk
@@ -266,14 +274,21 @@ class LlamaModel:
         # each (row, block) score tile is its own [M, hd] x [hd, Bk] product
         qb = qg.unsqueeze(2).expand(B, KVH, nb, M, hd)
         s = torch.matmul(qb, Kb.transpose(-1, -2)).float()  # [B, KVH, nb, M, Bk]
-        s = s.view(B, KVH, nb, G, Q, Bk)
+        if M != M0:
+            s = s[:, :, :, :M0]
+        s = s.reshape(B, KVH, nb, G, Q, Bk)
         s = s * self.scale + mask.view(B, 1, Q, nb, Bk).permute(0, 1, 3, 2, 4).unsqueeze(3)
         mx = s.amax(-1, keepdim=True)                                  # [B, KVH, nb, G, Q, 1]
         mx_safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
         p = torch.exp(s - mx_safe)
         l = p.sum(-1, keepdim=True)
-        o = torch.matmul(p.to(qg.dtype).view(B, KVH, nb, M, Bk), Vb).float()  # [B, KVH, nb, M, hd]
-        o = o.view(B, KVH, nb, G, Q, hd)
+        pm = p.to(qg.dtype).view(B, KVH, nb, M0, Bk)
+        if M != M0:
+            pm = torch.cat([pm, pm.new_zeros((B, KVH, nb, M - M0, Bk))], 3)
+        o = torch.matmul(pm, Vb).float()  # [B, KVH, nb, M, hd]
+        if M != M0:
+            o = o[:, :, :, :M0]
+        o = o.reshape(B, KVH, nb, G, Q, hd)
         if nb == 1:
             out = o[:, :, 0] / l[:, :, 0]
         else:
@@ -285,4 +300,4 @@ class LlamaModel:
                 acc_o = acc_o + o[:, :, j] * w[:, :, j]
                 acc_l = acc_l + l[:, :, j] * w[:, :, j]
             out = acc_o / acc_l
-        return out.to(qg.dtype).reshape(B, KVH, M, hd)
+        return out.to(qg.dtype).reshape(B, KVH, M0, hd)

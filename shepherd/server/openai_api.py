@@ -223,7 +223,7 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
 
     async def submit_all(request: Request, body, prompts: list[list[int]], max_tokens: list[int],
                          logprobs: Optional[int], prefix: str) -> list[RequestStream]:
-        """One engine request per (prompt, n) choice; all or nothing."""
+        """One engine request per (prompt, n) choice, all handed over in one go; all or nothing."""
         streams: list[RequestStream] = []
         client = client_of(request, body)
         k = 0
@@ -232,9 +232,14 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
                 for i in range(body.n):
                     seed = None if body.seed is None else int(body.seed) + k
                     params = build_params(body, max_tokens[pi], logprobs, seed)
-                    streams.append(await engine.submit(ids, params, req_id=f"{prefix}-{k}", client=client,
-                                                       priority=body.priority))
+                    streams.append(engine.submit(ids, params, req_id=f"{prefix}-{k}", client=client,
+                                                 priority=body.priority))
                     k += 1
+            results = await asyncio.gather(*(s.wait_admitted() for s in streams), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                # the most telling error: a full queue (retry later) before a rejection
+                raise next((e for e in errors if isinstance(e, QueueFull)), errors[0])
         except BaseException as e:
             for s in streams:
                 s.abort()

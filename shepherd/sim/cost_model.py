@@ -248,7 +248,7 @@ class CostModel:
         s = batch_shape(batch)
         if s.num_seqs and s.num_decode == s.num_seqs and not s.swap_tokens:
             # the same expression the simulator's fast path sums, so both agree to the bit
-            return float(self.decode_step_times(s.num_seqs, s.decode_ctx, 1)[0])
+            return self.decode_step_time(s.num_seqs, s.decode_ctx)
         return self.shape_time(s)
 
     __call__ = step_time
@@ -259,11 +259,14 @@ class CostModel:
         return np.array([self.shape_time(BatchShape(n, n, n, ctx0 + j * n, 0, n, 0, ctx0 + j * n))
                          for j in range(k)], dtype=np.float64)
 
-    def decode_step_lb(self, n: int, ctx0: int) -> float:
-        """A cheap (pure Python) value of the first decode step's time, for
-        bounding how many steps fit before an event; step times never decrease
-        as the context grows."""
-        return float(self.decode_step_times(n, ctx0, 1)[0])
+    def decode_step_time(self, n: int, ctx: int) -> float:
+        """One decode-only step of n sequences attending over ctx positions in all:
+        bit-for-bit the value decode_step_times gives for that step (subclasses
+        override with the same expression in pure Python, which is cheaper for
+        one step than a numpy call)."""
+        return float(self.decode_step_times(n, ctx, 1)[0])
+
+    decode_step_lb = decode_step_time   # step times never decrease as the context grows
 
     def swap_time(self, num_tokens: int) -> float:
         if num_tokens <= 0:
@@ -337,13 +340,17 @@ class RooflineCostModel(CostModel):
             t += self._ar_a + self._ar_tok * n
         return t
 
-    def decode_step_lb(self, n: int, ctx0: int) -> float:
-        mem = self._mem_a + self._mem_ctx * ctx0 + self._mem_tok * n
-        comp = self._c_tok * n + self._c_pair * ctx0 + self._c_samp * n
-        t = max(mem, comp) + (self._ovh + self._seq_ovh * n)
+    def decode_step_time(self, n: int, ctx: int) -> float:
+        # the same operations, in the same order, as decode_step_times (IEEE doubles either way)
+        c = float(ctx)
+        mem = self._mem_a + self._mem_ctx * c + self._mem_tok * n
+        comp = self._c_tok * n + self._c_pair * c + self._c_samp * n
+        t = (mem if mem >= comp else comp) + (self._ovh + self._seq_ovh * n)
         if self.tp > 1:
             t += self._ar_a + self._ar_tok * n
         return t
+
+    decode_step_lb = decode_step_time
 
     def kv_capacity_tokens(self, mem_fraction: float = 0.9, reserve_bytes: float = 1.0 * GiB,
                            page_size: int = 1) -> int:
@@ -417,11 +424,23 @@ class FittedCostModel(CostModel):
             t += self.swap_time(s.swap_tokens)
         return max(t, 0.0)
 
+    def _decode_base(self, n: int) -> float:
+        cache = self.__dict__.setdefault("_base_cache", {})
+        b = cache.get(n)
+        if b is None:
+            c = self._c
+            b = cache[n] = float(self._table(n)) + (c["num_seqs"] + c["sampled"]) * n
+        return b
+
     def decode_step_times(self, n: int, ctx0: int, k: int) -> np.ndarray:
-        c = self._c
-        base = float(self._table(n)) + (c["num_seqs"] + c["sampled"]) * n
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
-        return np.maximum(base + c["ctx_tokens"] * ctx, 0.0)
+        return np.maximum(self._decode_base(n) + self._c["ctx_tokens"] * ctx, 0.0)
+
+    def decode_step_time(self, n: int, ctx: int) -> float:
+        t = self._decode_base(n) + self._c["ctx_tokens"] * float(ctx)
+        return t if t > 0.0 else 0.0
+
+    decode_step_lb = decode_step_time
 
     # -- persistence -------------------------------------------------------
     def to_json(self) -> dict:

@@ -62,7 +62,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--arrival", choices=["poisson", "gamma", "constant"], default="poisson")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: CV of inter-arrival times")
     w.add_argument("--shared-prefix", type=int, default=0, help="synthetic: shared system prompt tokens")
-    w.add_argument("--turns", type=int, default=1, help="synthetic: turns per session")
+    w.add_argument("--turns", type=int, default=1, help="synthetic: turns per session (rates are of sessions)")
+    w.add_argument("--think-time", type=float, default=10.0, help="synthetic: mean seconds between turns")
     w.add_argument("--seed", type=int, default=0)
 
 
@@ -115,10 +116,12 @@ def build_workload(args):
         clients = T.parse_clients(args.clients, input_len=args.input_len, output_len=args.output_len,
                                   arrival=args.arrival, cv=args.burstiness,
                                   system_prompt_tokens=args.shared_prefix, turns=args.turns)
+        for c in clients:
+            c.think_time = args.think_time
     elif args.rate:
         clients = [T.ClientSpec("default", rate=args.rate, input_len=args.input_len, output_len=args.output_len,
                                 arrival=args.arrival, cv=args.burstiness, system_prompt_tokens=args.shared_prefix,
-                                turns=args.turns)]
+                                turns=args.turns, think_time=args.think_time)]
     else:
         raise SystemExit("shepherd simulate: give --trace FILE, or --rate R / --clients SPEC for a synthetic workload")
     n = args.num_requests if args.num_requests is not None else args.limit

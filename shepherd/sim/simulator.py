@@ -153,6 +153,8 @@ class _Track:
         for p in self.pieces:
             if isinstance(p, float):
                 out.append(p)
+            elif isinstance(p, list):
+                out.extend(p)
             else:
                 out.extend(p.tolist())
         return out
@@ -388,12 +390,26 @@ class _Replica:
                     k = kmax
         if k < 2:
             return False
-        d = self.cost.decode_step_times(n, ctx0, k)
-        ends = np.add.accumulate(np.concatenate(([now], d)))[1:]
-        if ends.size > 1 and ends[-2] >= t_limit:
-            # steps must start before t_limit: step j starts at ends[j-1] (step 0 at now < t_limit)
-            k = int(np.searchsorted(ends, t_limit, side="left")) + 1
-            ends = ends[:k]
+        if k <= 24:
+            # short runs: a Python loop beats numpy's call overhead (same IEEE operations)
+            f = self.cost.decode_step_time
+            ends = []
+            t = now
+            c = ctx0
+            for _ in range(k):
+                if t >= t_limit:      # this step would start at or after the next arrival
+                    break
+                t += f(n, c)
+                c += n
+                ends.append(t)
+            k = len(ends)
+        else:
+            d = self.cost.decode_step_times(n, ctx0, k)
+            ends = np.add.accumulate(np.concatenate(([now], d)))[1:]
+            if ends.size > 1 and ends[-2] >= t_limit:
+                # steps must start before t_limit: step j starts at ends[j-1] (step 0 at now < t_limit)
+                k = int(np.searchsorted(ends, t_limit, side="left")) + 1
+                ends = ends[:k]
         if k < 2:
             return False
         block = exe.token_block

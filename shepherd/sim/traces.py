@@ -242,7 +242,7 @@ class ClientSpec:
     system_prompt_tokens: int = 0     # shared prefix among this client's requests
     num_system_prompts: int = 1       # distinct system prompts, drawn uniformly
     turns: int = 1                    # multi-turn sessions: turns per session (>1 turns share growing prefixes)
-    think_time: float = 0.0           # mean seconds between turns of a session (exponential)
+    think_time: float = 10.0          # mean seconds between the turns of a session (exponential; 0 = together)
     priority: int = 0
 
 
@@ -268,9 +268,11 @@ def _interarrival(rng: random.Random, c: ClientSpec) -> float:
 
 
 def synthetic(spec: SyntheticSpec) -> list[TraceRequest]:
-    """Each client draws its own arrival process; sessions of `turns` turns put
-    turn k+1 after turn k's arrival plus a think time, its prompt containing the
-    whole previous prompt (prefix_group = session, prefix_tokens = shared part)."""
+    """Each client draws its own arrival process (of sessions, when turns > 1);
+    turn k+1 of a session arrives an exponential think time after turn k, and
+    its prompt is turn k's prompt + turn k's output length + new user tokens
+    (the prompt ids extend turn k's: prompt_token_ids follows the session's
+    stream after the shared system prompt)."""
     if spec.num_requests is None and spec.duration is None:
         raise ValueError("synthetic workload needs num_requests or duration")
     total_rate = sum(c.rate for c in spec.clients)
@@ -290,26 +292,18 @@ def synthetic(spec: SyntheticSpec) -> list[TraceRequest]:
             sys_len = c.system_prompt_tokens
             if sys_len:
                 sys_group = f"{c.name}/sys{rng.randrange(c.num_system_prompts)}"
-            # a session: turns share a growing prefix
+            # a session: turn k+1's prompt is turn k's prompt + its output + new user tokens
             prompt_so_far = 0
             tt = t
-            sess_id = f"{c.name}/s{sess}"
+            sess_id = f"{c.name}/s{sess}" if c.turns > 1 else None
             sess += 1
             for turn in range(max(1, c.turns)):
                 user = inp()
                 o = outp()
-                if c.turns > 1:
-                    p = (sys_len + user) if turn == 0 else prompt_so_far + user
-                    group, shared = sess_id, p        # whole prompt from the session's stream
-                    if turn == 0 and sys_group is None:
-                        shared = p
-                else:
-                    p = sys_len + user
-                    group, shared = sys_group, sys_len
+                p = (sys_len + user) if turn == 0 else prompt_so_far + user
                 out.append(TraceRequest(arrival=tt, prompt_tokens=p, output_tokens=max(1, o), client=c.name,
-                                        prefix_group=group, prefix_tokens=shared if group else 0,
-                                        priority=c.priority,
-                                        session=sess_id if c.turns > 1 else None, turn=turn))
+                                        prefix_group=sys_group, prefix_tokens=sys_len if sys_group else 0,
+                                        priority=c.priority, session=sess_id, turn=turn))
                 prompt_so_far = p + o
                 tt += rng.expovariate(1.0 / c.think_time) if c.think_time > 0 else 0.0
                 if tt >= horizon:
@@ -456,6 +450,9 @@ def prompt_token_ids(tr: TraceRequest, vocab_size: int, block_size: int = 512) -
             ids.extend(_stream(_seed_of(f"block/{h}"), 0, min(block_size, n - len(ids)), vocab_size))
     elif tr.prefix_group and tr.prefix_tokens:
         ids = _stream(_seed_of(f"group/{tr.prefix_group}"), 0, min(tr.prefix_tokens, n), vocab_size)
+    if tr.session and len(ids) < n:
+        # the rest of the prompt comes from the session's stream: a later turn extends an earlier one
+        ids.extend(_stream(_seed_of(f"session/{tr.session}"), 0, n - len(ids), vocab_size))
     if len(ids) < n:
         key = tr.index if tr.index is not None else f"{tr.arrival!r}/{tr.prompt_tokens}/{tr.output_tokens}/{tr.client}"
         ids.extend(_stream(_seed_of(f"req/{key}"), len(ids), n - len(ids), vocab_size))

@@ -1,0 +1,103 @@
+"""The simulator against the real engine on this CPU (SmolLM2-135M):
+
+1. `shepherd calibrate` times the torch executor (driven by the real
+   Scheduler) over a grid of batches and writes a fitted cost model;
+2. `shepherd serve` runs the real engine with fixed scheduler knobs;
+3. `shepherd bench` replays a Poisson stream at a light and a saturating rate
+   (the same synthetic spec file for both sides: same arrivals, same lengths);
+4. `shepherd simulate` runs the same spec with the calibrated model and knobs;
+5. prints TTFT p50, TPOT p50 and throughput side by side.
+
+    .venv/bin/python benchmarks/simulate_validate_engine.py [--rates 0.5,4] [--num-requests 60]
+        [--input-len 128] [--output-len 64] [--cost-model FILE] [--out out/validate]
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PY = sys.executable
+
+
+def run(cmd, **kw):
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="0.5,4")
+    ap.add_argument("--num-requests", type=int, default=60)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-total-tokens", type=int, default=16384)
+    ap.add_argument("--max-batch-size", type=int, default=32)
+    ap.add_argument("--max-num-tokens", type=int, default=512)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--cost-model", default=None, help="skip calibration, use this fitted model")
+    ap.add_argument("--port", type=int, default=8471)
+    ap.add_argument("--out", default="out/validate")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    knobs = ["--max-total-tokens", str(a.max_total_tokens), "--max-batch-size", str(a.max_batch_size),
+             "--max-num-tokens", str(a.max_num_tokens), "--no-prefix-cache", "--admission", "optimistic"]
+    threads = ["--num-threads", str(a.num_threads)] if a.num_threads else []
+    cost = a.cost_model or str(out / "cost_cpu.json")
+    if not a.cost_model:
+        run([PY, "-m", "shepherd", "calibrate", "--out", cost, "--batch-sizes", "1,2,4,8,16,32",
+             "--prompt-lens", f"{a.input_len // 2},{a.input_len},{a.input_len * 4}", "--decode-steps", "10",
+             "--max-num-tokens", str(a.max_num_tokens)] + threads)
+    server = subprocess.Popen([PY, "-m", "shepherd", "serve", "--port", str(a.port)] + knobs + threads,
+                              stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{a.port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise SystemExit("server did not come up")
+        rows = []
+        for rate in [float(r) for r in a.rates.split(",")]:
+            spec = out / f"spec_{rate:g}.json"
+            spec.write_text(json.dumps({"seed": 1, "num_requests": a.num_requests, "clients": [
+                {"name": "default", "rate": rate, "input_len": f"fixed:{a.input_len}",
+                 "output_len": f"fixed:{a.output_len}"}]}))
+            bdir, sdir = out / f"bench_{rate:g}", out / f"sim_{rate:g}"
+            run([PY, "-m", "shepherd", "bench", "--url", url, "--trace", str(spec), "--out", str(bdir),
+                 "--no-progress", "--no-plots"])
+            run([PY, "-m", "shepherd", "simulate", "--trace", str(spec), "--cost-model", cost,
+                 "--model", "smollm2-135m", "--gpu", "cpu", "--out", str(sdir), "--no-progress",
+                 "--no-plots"] + knobs)
+            rows.append((rate, json.loads((bdir / "summary.json").read_text()),
+                         json.loads((sdir / "summary.json").read_text())))
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    print()
+    print("| rate (req/s) | metric | real engine (bench) | simulated (calibrated) | sim / real |")
+    print("|---:|---|---:|---:|---:|")
+    for rate, b, s in rows:
+        for key, unit, scale in (("ttft_p50", "ms", 1e3), ("tpot_p50", "ms", 1e3),
+                                 ("output_tok_s", "tok/s", 1), ("throughput_req_s", "req/s", 1)):
+            bv, sv = b.get(key), s.get(key)
+            ratio = f"{sv / bv:.2f}" if bv and sv else "-"
+            print(f"| {rate:g} | {key} | {bv * scale:.1f} {unit} | {sv * scale:.1f} {unit} | {ratio} |"
+                  if bv is not None and sv is not None else f"| {rate:g} | {key} | {bv} | {sv} | - |")
+
+
+if __name__ == "__main__":
+    main()
