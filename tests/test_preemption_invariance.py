@@ -13,7 +13,7 @@ from shepherd.scheduler.scheduler import Scheduler
 pytestmark = pytest.mark.model
 
 CAP = 2048
-NEW = 12
+NEW = 8
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,8 @@ def ex(default_model_path):
 @pytest.fixture(scope="module")
 def prompts(ex):
     tok = ex.tokenizer
-    system = "You are a careful assistant. Answer in one short paragraph. " * 3
-    qs = ["What is a comet?", "Name a river in Africa.", "Why is the sky blue?", "How do bees make honey?"]
+    system = "You are a careful assistant. Answer in one short paragraph."
+    qs = ["What is a comet?", "Name a river in Africa.", "Why is the sky blue?"]
     return [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
                                                 {"role": "user", "content": q}])) for q in qs]
 
@@ -43,7 +43,7 @@ def serve(ex, prompts, tag, **kw):
     s = Scheduler(cfg, host_kv_capacity=ex.host_kv_capacity, max_model_len=ex.max_model_len)
     _n[0] += 1
     reqs = [Request(f"{tag}{_n[0]}-{i}", list(p), SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
-                    arrival=0.0 if i < 2 else 0.001 * i, eos_token_ids=ex.eos_token_ids)
+                    arrival=0.0 if i < 2 else 0.05 * i, eos_token_ids=ex.eos_token_ids)
             for i, p in enumerate(prompts)]
     run_offline(s, ex, reqs)
     s.check_integrity()
@@ -57,8 +57,7 @@ def reference(ex, prompts):
     return out
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("mode,prefix", [("recompute", True), ("recompute", False), ("swap", False)])
 def test_forced_preemption_does_not_change_tokens(ex, prompts, reference, mode, prefix):
     out, st = serve(ex, prompts, f"{mode}{int(prefix)}", preemption=mode, prefix_cache=prefix,
                     debug_preempt_every=3)
@@ -69,9 +68,7 @@ def test_forced_preemption_does_not_change_tokens(ex, prompts, reference, mode, 
 
 
 def test_prefix_cache_on_equals_off(ex, prompts, reference):
-    out, st = serve(ex, prompts, "pc", prefix_cache=True, chunk=16)
-    assert st.prefix_hit_tokens > 0           # the shared system prompt was served from the cache
-    assert out == reference
-    # and once more, now with everything cached from the previous requests' runs
-    out2, st2 = serve(ex, prompts + prompts[:1], "pc2", prefix_cache=True)
-    assert out2[:len(prompts)] == reference and out2[-1] == reference[0]
+    # the 4th request repeats the 1st: all but its last prompt token come from the cache
+    out, st = serve(ex, prompts + prompts[:1], "pc", prefix_cache=True, chunk=32)
+    assert st.prefix_hit_tokens >= len(prompts[0]) - 1   # shared system prompt + the repeat
+    assert out[:len(prompts)] == reference and out[-1] == reference[0]
