@@ -56,7 +56,11 @@ def run_offline(scheduler, executor, requests: Iterable[Request], clock: float =
             pending.append(reqs[i])
             i += 1
         still = []
+        full = False
         for r in pending:
+            if full:                 # keep arrival order; retry next step
+                still.append(r)
+                continue
             try:
                 scheduler.add(r, now)
             except RequestRejected as e:
@@ -66,6 +70,7 @@ def run_offline(scheduler, executor, requests: Iterable[Request], clock: float =
                     _reject(r, f"queue full: {e}")
                 else:
                     still.append(r)
+                    full = True
         pending = still
         while ai < len(abort_at) and abort_at[ai][0] <= now:
             rid = abort_at[ai][1]

@@ -36,6 +36,7 @@ class Policy:
     name = "fcfs"
     needs_sort = False        # order() sorts the queue (non-fcfs)
     dynamic = False           # order can change while only decodes run (vtc)
+    charges_tokens = False    # on_tokens does something
 
     def __init__(self, cfg, tree=None):
         self.cfg = cfg
@@ -159,6 +160,7 @@ class VTC(Policy):
     name = "vtc"
     needs_sort = True
     dynamic = True
+    charges_tokens = True
 
     def __init__(self, cfg, tree=None):
         super().__init__(cfg, tree)

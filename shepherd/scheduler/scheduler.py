@@ -692,16 +692,27 @@ class Scheduler:
 
     def _build_decode(self, batch: ScheduledBatch, now: float) -> None:
         pool = self.pool
-        dec = [e for e in self._running if not self._in_prefill(e)]
-        if len(dec) > self.cfg.max_num_tokens:
-            dec = dec[: self.cfg.max_num_tokens]
+        p = self.page_size
+        dec = []
         need = {}
         total = 0
-        for e in dec:
+        for e in self._running:
             r = e.req
-            n = pool.pages_needed(len(r.slots), r.num_computed + 1 - len(r.slots)) if len(r.slots) <= r.num_computed else 0
+            nc = r.num_computed
+            if nc < len(r.prompt_ids) + len(r.output_ids) - 1:
+                continue                      # still in prefill
+            dec.append(e)
+            L = len(r.slots)
+            if L <= nc:
+                n = 1 if p == 1 else (1 if L % p == 0 else 0)
+            else:
+                n = 0
             need[id(e)] = n
             total += n
+        if len(dec) > self.cfg.max_num_tokens:
+            for e in dec[self.cfg.max_num_tokens:]:
+                total -= need.pop(id(e))
+            dec = dec[: self.cfg.max_num_tokens]
         while total > self._available_pages():
             # never preempt the last decoder for nothing: it is the one that must progress
             exclude = dec[0] if len(dec) == 1 else None
@@ -720,18 +731,27 @@ class Scheduler:
             if id(v) in need:
                 total -= need.pop(id(v))
                 dec = [x for x in dec if x is not v]
+        # one allocation for the whole step: the same pages, in the same order, as one per request
+        pages = self._alloc(total)
+        assert pages is not None
+        j = 0
+        seqs = batch.seqs
         for e in dec:
             r = e.req
-            n = need[id(e)]
-            target = r.num_computed + 1
-            if len(r.slots) < target:
-                pages = self._alloc(n)
-                assert pages is not None
-                pool.extend(r.slots, target - len(r.slots), pages)
             nc = r.num_computed
+            slots = r.slots
+            if len(slots) <= nc:
+                if p == 1:
+                    slots.append(pages[j])
+                    j += 1
+                elif need[id(e)]:
+                    slots.append(pages[j] * p)
+                    j += 1
+                else:
+                    slots.append(slots[-1] + 1)
             np_ = len(r.prompt_ids)
             tok = r.prompt_ids[nc] if nc < np_ else r.output_ids[nc - np_]
-            batch.seqs.append(ScheduledSeq(r, [tok], nc, sample=True, fresh=e.fresh))
+            seqs.append(ScheduledSeq(r, [tok], nc, sample=True, fresh=e.fresh))
             e.fresh = False
         self._stats.last_decode_seqs = len(dec)
 
@@ -753,10 +773,13 @@ class Scheduler:
             self._deferred_outputs = []
         tokens = result.tokens
         s = self._stats
+        charge = self.policy.on_tokens if self.policy.charges_tokens else None
+        entries = self._entries
+        RUNNING = RequestState.RUNNING
         for seq in batch.seqs:
             req = seq.req
-            e = self._entries.get(req.req_id)
-            if e is None or e.req is not req or req.state is not RequestState.RUNNING:
+            e = entries.get(req.req_id)
+            if e is None or e.req is not req or req.state is not RUNNING:
                 continue   # aborted or finished meanwhile
             req.num_computed = seq.start_pos + len(seq.token_ids)
             if not seq.sample:
@@ -769,7 +792,8 @@ class Scheduler:
                 self._cache_prefilled(e)
             req.output_ids.append(tok)
             s.generated_tokens += 1
-            self.policy.on_tokens(e, 1)
+            if charge:
+                charge(e, 1)
             if req.first_token_at is None:
                 req.first_token_at = now
             lp = result.logprobs.get(req.req_id) if result.logprobs else None
