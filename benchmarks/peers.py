@@ -179,17 +179,18 @@ def hf_folder(cache: Path) -> Path:
     return out
 
 
-def make_server(peer: str, cache: Path, logdir: Path) -> Server:
+def make_server(peer: str, cache: Path, logdir: Path, shepherd_args: list | None = None) -> Server:
     py = sys.executable
     port = free_port()
+    sargs = list(shepherd_args or [])
     if peer.startswith("shepherd-") and peer != "shepherd-gateway":
         mode = peer.split("-", 1)[1]
         return Server(peer, [([py, "-m", "shepherd", "serve", "--port", port, "--admission", mode,
-                               "--served-model-name", SERVED_NAME], {})], port, logdir)
+                               "--served-model-name", SERVED_NAME, *sargs], {})], port, logdir)
     if peer == "shepherd-gateway":
         p1, p2 = free_port(), free_port()
         reps = [([py, "-m", "shepherd", "serve", "--port", p, "--num-threads", 1,
-                  "--served-model-name", SERVED_NAME], {}) for p in (p1, p2)]
+                  "--served-model-name", SERVED_NAME, *sargs], {}) for p in (p1, p2)]
         gw = ([py, "-m", "shepherd", "gateway", "--backend", f"http://127.0.0.1:{p1}",
                "--backend", f"http://127.0.0.1:{p2}", "--port", port], {})
         return Server(peer, reps + [gw], port, logdir,
@@ -443,6 +444,9 @@ def main() -> int:
     ap.add_argument("--no-vllm-bench", action="store_true", help="skip `vllm bench serve` against shepherd")
     ap.add_argument("--poisson-rate", type=float, help="req/s of the poisson workload (default: 70%% of "
                                                          "shepherd's saturated rate, else 1.0)")
+    ap.add_argument("--shepherd-arg", action="append", default=[],
+                    help="extra argument for every `shepherd serve` (repeat), e.g. --shepherd-arg=--max-total-tokens "
+                         "--shepherd-arg=16384 to put the admission modes under KV pressure")
     ap.add_argument("--cache", default=str(envs.DEFAULT_CACHE))
     ap.add_argument("--out", default=str(ROOT / "out" / "peers"))
     ap.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"))
@@ -488,7 +492,8 @@ def main() -> int:
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                      "command": "python benchmarks/peers.py" + (" --quick" if a.quick else "")
-                                + (f" --only {a.only}" if a.only else ""),
+                                + (f" --only {a.only}" if a.only else "")
+                                + "".join(f" --shepherd-arg={x}" for x in a.shepherd_arg),
                      "workloads": [w["name"] for w in wl], "peers": {}, "skipped": skipped, "notes": []}
     try:
         with open("/proc/cpuinfo") as f:
@@ -513,7 +518,7 @@ def main() -> int:
                 log(f"hf failed: {e}")
             continue
         try:
-            srv = make_server(peer, cache, pdir / "logs")
+            srv = make_server(peer, cache, pdir / "logs", a.shepherd_arg)
         except Exception as e:
             skipped[peer] = f"cannot be set up: {e}"
             continue

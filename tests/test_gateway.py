@@ -417,3 +417,65 @@ def test_backend_restart_stale_keepalive_connections_are_replaced(cluster_factor
     for _ in range(3):
         assert c.client.post("/v1/completions", json=BODY).status_code == 200
     assert c.pool.backends()[0].total_failures == 0
+
+
+def test_http1_client_framings_and_errors():
+    import asyncio
+    from shepherd.gateway.http1 import Http1Pool, RemoteClosed, UpstreamTimeout, ConnectError
+
+    answers = {
+        "/close": b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nhello",
+        "/chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-T: 1\r\n\r\n",
+        "/length": b"HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\n\r\nabc",
+    }
+
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ")[1].decode()
+                n = int([ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0])
+                await reader.readexactly(n)
+                if path == "/drop":
+                    break
+                if path == "/hang":
+                    await asyncio.sleep(5)
+                    break
+                writer.write(answers[path])
+                await writer.drain()
+                if path == "/close":
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async def main():
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        pool = Http1Pool(read_timeout=0.3)
+        r = await pool.request("POST", base, "/close", [], b"{}")
+        assert r.status_code == 200 and await r.read() == b"hello"
+        r = await pool.request("POST", base, "/chunked", [], b"{}")
+        assert [c async for c in r.iter_raw()] == [b"hello", b" world"]
+        r = await pool.request("POST", base, "/length", [(b"x-a", b"1")], b"{}")   # reuses the connection
+        assert r.status_code == 404 and await r.read() == b"abc"
+        try:
+            await pool.request("POST", base, "/drop", [], b"{}")
+            raise AssertionError("no error")
+        except RemoteClosed:
+            pass
+        try:
+            await pool.request("POST", base, "/hang", [], b"{}")
+            raise AssertionError("no error")
+        except UpstreamTimeout:
+            pass
+        srv.close()
+        await srv.wait_closed()
+        try:
+            await pool.request("POST", base, "/close", [], b"{}")
+            raise AssertionError("no error")
+        except (ConnectError, RemoteClosed):
+            pass
+        await pool.aclose()
+
+    asyncio.run(main())

@@ -95,8 +95,6 @@ def greedy_chat(oc, model, **kw):
     return oc.chat.completions.create(model=model, messages=MSG, max_tokens=24, temperature=0, **kw)
 
 
-@pytest.mark.xfail(EXECUTOR == "torch", strict=False,
-                   reason="known: a prefix-cache hit changes greedy tokens (TorchExecutor batch invariance)")
 def test_greedy_same_with_and_without_prefix_cache_hit(oc, model):
     """DESIGN.md: under greedy sampling in batch-invariant mode a request's tokens are the same
     whether or not its prompt was served from the prefix cache."""

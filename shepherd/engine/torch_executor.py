@@ -120,13 +120,13 @@ class TorchExecutor:
         self.sampler = Sampler()
         self.reqs: dict[str, _ReqState] = {}
         self._arange = torch.arange(max(self.max_model_len, 1) + kv_block, dtype=torch.long)
+        self._head_off = (torch.arange(mcfg.num_kv_heads, dtype=torch.long) * cap).view(-1, 1)
         log.info("model %s loaded in %.1fs (%s, %d layers, batch_invariant=%s, threads=%d)",
                  self.model_name, time.perf_counter() - t0, str(self.dtype).replace("torch.", ""),
                  mcfg.num_layers, self.batch_invariant, threads)
         log.info("KV cache: %d tokens (%.1f MiB, %d bytes/token); host swap pool: %d tokens",
                  cap, cap * per_tok / 2**20, per_tok, self.host_kv_capacity)
-        if self.batch_invariant:
-            self._probe_gemm()
+        self._probe_gemm()
 
     # ------------------------------------------------------------------ invariance probe
     def _probe_gemm(self) -> None:
@@ -135,12 +135,12 @@ class TorchExecutor:
         m = self.model
         g = torch.Generator().manual_seed(0)
         ok = True
-        for w in (m.layers[0]["wgu"], m.layers[0]["wd"], m.layers[0]["wqkv"]):
-            x = torch.randn(80, w.shape[1], generator=g).to(m.dtype)
-            full = torch.nn.functional.linear(x, w)
+        for lin in (m.layers[0]["gu"], m.layers[0]["down"], m.layers[0]["qkv"]):
+            x = torch.randn(80, lin.w.shape[1], generator=g).to(m.dtype)
+            full = lin.raw(x)
             for M in (m.min_rows, m.min_rows + 1, 7, 9, 16, 33):
                 for s in (0, 80 - M):
-                    if not torch.equal(torch.nn.functional.linear(x[s:s + M], w), full[s:s + M]):
+                    if not torch.equal(lin.raw(x[s:s + M]), full[s:s + M]):
                         ok = False
         if not ok:
             m.row_tile = 16
@@ -171,18 +171,18 @@ class TorchExecutor:
         if req_id in self.host:
             self._drop_host(req_id)
         idx = torch.tensor(slots, dtype=torch.long)
-        self.host[req_id] = (self.k_pool.index_select(1, idx), self.v_pool.index_select(1, idx))
+        self.host[req_id] = (self.k_pool.index_select(2, idx), self.v_pool.index_select(2, idx))
         self.host_used += n
 
     def _swap_in(self, req_id: str, slots: list[int]) -> None:
         if req_id not in self.host:
             raise ExecutorError(f"swap in of {req_id}: no host copy")
         k, v = self.host[req_id]
-        if k.shape[1] != len(slots):
-            raise ExecutorError(f"swap in of {req_id}: {len(slots)} slots for {k.shape[1]} swapped tokens")
+        if k.shape[2] != len(slots):
+            raise ExecutorError(f"swap in of {req_id}: {len(slots)} slots for {k.shape[2]} swapped tokens")
         idx = torch.tensor(slots, dtype=torch.long)
-        self.k_pool.index_copy_(1, idx, k)
-        self.v_pool.index_copy_(1, idx, v)
+        self.k_pool.index_copy_(2, idx, k)
+        self.v_pool.index_copy_(2, idx, v)
         self._drop_host(req_id)
         st = self.reqs.get(req_id)
         if st is not None:
@@ -190,7 +190,7 @@ class TorchExecutor:
 
     def _drop_host(self, req_id: str) -> None:
         k, _ = self.host.pop(req_id)
-        self.host_used -= k.shape[1]
+        self.host_used -= k.shape[2]
 
     def _release(self, req_id: str) -> None:
         st = self.reqs.pop(req_id, None)
@@ -209,6 +209,7 @@ class TorchExecutor:
         return st
 
     def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
+        inv = self.model.batch_invariant
         Bk = self.kv_block
         ids: list[int] = []
         pos_parts = []
@@ -243,38 +244,50 @@ class TorchExecutor:
                 sampled.append(s)
             row += n
         T = row
+        KVH = self.model.KVH
+        head_off = self._head_off
         groups: list[AttnGroup] = []
         if dec_rows:
             B = len(dec_rows)
             Lmax = max(dec_ctx)
-            Lp = _round_up(Lmax, Bk) if self.batch_invariant else _round_up(Lmax, 8)
-            gather = torch.zeros((B, Lp), dtype=torch.long)
-            for b, sl in enumerate(dec_slots):
-                gather[b, : sl.numel()] = sl
+            if inv:
+                Lp = _round_up(Lmax, Bk)
+                nb = Lp // Bk
+            else:
+                Lp = _round_up(Lmax, 16)
+                nb = 1
+            gs = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True)   # [B, Lmax], pads with 0
+            if gs.shape[1] < Lp:
+                gs = torch.nn.functional.pad(gs, (0, Lp - gs.shape[1]))
             ctx_t = torch.tensor(dec_ctx, dtype=torch.long)
-            valid = self._arange[:Lp].unsqueeze(0) < ctx_t.unsqueeze(1)          # [B, Lp]
-            mask = torch.zeros((B, 1, 1, Lp), dtype=torch.float32)
-            mask.masked_fill_(~valid.view(B, 1, 1, Lp), float("-inf"))
-            all_dec = B == T
-            tok_idx = None if all_dec else torch.tensor(dec_rows, dtype=torch.long)
-            groups.append(AttnGroup(token_index=tok_idx, gather=gather.view(-1), mask=mask, B=B, q_len=1, Lp=Lp))
+            invalid = self._arange[:Lp].unsqueeze(0) >= ctx_t.unsqueeze(1)        # [B, Lp]
+            mask = torch.zeros((B, Lp), dtype=torch.float32).masked_fill_(invalid, float("-inf"))
+            tok_idx = None if B == T else torch.tensor(dec_rows, dtype=torch.long)
+            groups.append(AttnGroup(token_index=tok_idx, gather=(head_off + gs.view(1, -1)).view(-1),
+                                    mask=mask.view(B, nb, 1, 1, Lp // nb), B=B, q_len=1, Lp=Lp, nb=nb))
         for (r0, n, start, sl) in prefills:
             ctx = start + n
-            Lp = _round_up(ctx, Bk) if self.batch_invariant else _round_up(ctx, 8)
-            gather = torch.zeros(Lp, dtype=torch.long)
-            gather[:ctx] = sl
-            qpos = self._arange[start: ctx].unsqueeze(1)                          # [n, 1]
-            valid = self._arange[:Lp].unsqueeze(0) <= qpos                          # [n, Lp]
-            mask = torch.zeros((1, 1, n, Lp), dtype=torch.float32)
-            mask.masked_fill_(~valid.view(1, 1, n, Lp), float("-inf"))
+            if inv:
+                Lp = _round_up(ctx, Bk)
+                nb = Lp // Bk
+            else:
+                Lp = _round_up(ctx, 16)
+                nb = 1
+            gs = torch.zeros(Lp, dtype=torch.long)
+            gs[:ctx] = sl
+            invalid = self._arange[:Lp].unsqueeze(0) > self._arange[start: ctx].unsqueeze(1)   # [n, Lp]
+            mask = torch.zeros((n, Lp), dtype=torch.float32).masked_fill_(invalid, float("-inf"))
+            mask = mask.view(n, nb, Lp // nb).transpose(0, 1).contiguous().view(1, nb, 1, n, Lp // nb)
             tok_idx = None if (n == T) else self._arange[r0: r0 + n]
-            groups.append(AttnGroup(token_index=tok_idx, gather=gather, mask=mask, B=1, q_len=n, Lp=Lp))
+            groups.append(AttnGroup(token_index=tok_idx, gather=(head_off + gs.view(1, -1)).view(-1),
+                                    mask=mask, B=1, q_len=n, Lp=Lp, nb=nb))
+        write = torch.cat(write_parts) if len(write_parts) > 1 else write_parts[0]
         inp = StepInput(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0],
-            write_slots=torch.cat(write_parts) if len(write_parts) > 1 else write_parts[0],
+            write_index=(head_off + write.view(1, -1)).view(-1),
             groups=groups,
-            logits_index=torch.tensor(logits_rows, dtype=torch.long),
+            logits_index=None if len(logits_rows) == T else torch.tensor(logits_rows, dtype=torch.long),
             num_tokens=T,
         )
         return inp, sampled
@@ -282,8 +295,6 @@ class TorchExecutor:
     def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run the forward; returns logits [S, V] (float32) for the seqs that sample."""
         inp, sampled = self.build_input(seqs)
-        if not sampled:
-            inp.logits_index = torch.empty(0, dtype=torch.long)
         logits = self.model.forward(inp, self.k_pool, self.v_pool)
         return logits, sampled
 

@@ -218,6 +218,12 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
                            param="max_tokens", code="context_length_exceeded")
         return requested
 
+    async def encode(text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize; long texts off the event loop so other requests keep streaming."""
+        if len(text) < 20000:
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+
     def client_of(request: Request, body) -> str:
         return body.user or request.headers.get("x-client-id") or "default"
 
@@ -373,7 +379,7 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
         prompts: list[list[int]] = []
         for p in body.prompts():
             if isinstance(p, str):
-                ids = tok.encode(p, add_special_tokens=True)
+                ids = await encode(p, True)
             else:
                 ids = list(p)
                 bad = [t for t in ids if not (0 <= t < tok.vocab_size)]
@@ -470,7 +476,7 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
             text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages")
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = await encode(text, False)
         if not ids:
             raise APIError(400, "the chat prompt is empty", param="messages")
         max_tokens = resolve_max_tokens(len(ids), body.effective_max_tokens, None)

@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1, help="run the grid this many times")
     p.add_argument("--warmup", type=int, default=2, help="steps dropped at each grid point")
-    p.add_argument("--samples-out", default=None, help="also write the raw samples (JSONL)")
+    p.add_argument("--samples-out", default=None, help="raw samples (JSONL; default: OUT with .samples.jsonl)")
+    p.add_argument("--from-samples", default=None, help="refit from a samples file instead of timing")
 
 
 def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens, decode_steps: int,
@@ -84,6 +85,8 @@ def main(args) -> int:
     from shepherd.config import EngineConfig, SchedulerConfig
     from shepherd.sim.cost_model import BatchShape, fit_cost_model
 
+    if args.from_samples:
+        return _refit(args)
     try:
         from shepherd.engine.torch_executor import TorchExecutor
         from shepherd.scheduler.scheduler import Scheduler
@@ -130,11 +133,7 @@ def main(args) -> int:
     if len(samples) < 12:
         print(f"calibrate: only {len(samples)} samples; widen the grid", file=sys.stderr)
         return 2
-    toks = sorted({s.num_tokens for s, _ in samples})
-    # knots at powers of two inside the observed range, each with samples around it
-    lo, hi = toks[0], toks[-1]
-    grid = sorted({lo, hi} | {2 ** i for i in range(0, 16) if lo < 2 ** i < hi})
-    model = fit_cost_model(samples, grid_tokens=grid, features=("ctx_tokens", "prefill_pairs", "num_seqs"),
+    model = fit_cost_model(samples, features=("ctx_tokens", "prefill_pairs", "num_seqs"),
                            kv_bytes_per_token=kvb, pcie_bw=20e9,
                            name=f"calibrated:{Path(args.model).name if args.model else 'SmolLM2-135M'}/cpu",
                            meta={"kv_capacity_tokens": sc.max_total_tokens,
@@ -145,15 +144,41 @@ def main(args) -> int:
                                  "seconds": time.perf_counter() - t0})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)
-    if args.samples_out:
-        from dataclasses import asdict
-        with open(args.samples_out, "w") as f:
-            for s, t in samples:
-                f.write(json.dumps({"shape": asdict(s), "seconds": t}) + "\n")
+    from dataclasses import asdict
+    with open(args.samples_out or _samples_path(args.out), "w") as f:
+        for s, t in samples:
+            f.write(json.dumps({"shape": asdict(s), "seconds": t}) + "\n")
     m = model.meta
-    print(f"calibrate: {len(samples)} samples, fit mean error {m['fit_mean_rel_err']:.1%}, "
-          f"max {m['fit_max_rel_err']:.1%}; decode step B=1 at 128 ctx "
+    print(f"calibrate: {len(samples)} samples, fit error mean {m['fit_mean_rel_err']:.1%}, "
+          f"median {m['fit_median_rel_err']:.1%}, max {m['fit_max_rel_err']:.1%}; decode step B=1 at 128 ctx "
           f"{model.decode_itl(128) * 1e3:.1f} ms, B=32 {model.decode_itl(128, 32) * 1e3:.1f} ms; "
           f"prefill 512 {model.shape_time(BatchShape.prefill(512)) * 1e3:.0f} ms; wrote {args.out}",
           file=sys.stderr)
+    return 0
+
+
+def _samples_path(out: str) -> str:
+    p = Path(out)
+    return str(p.with_name(p.stem + ".samples.jsonl"))
+
+
+def _refit(args) -> int:
+    from shepherd.sim.cost_model import BatchShape, fit_cost_model, get_model, load_cost_model
+    samples = []
+    with open(args.from_samples) as f:
+        for line in f:
+            d = json.loads(line)
+            samples.append((BatchShape(**d["shape"]), float(d["seconds"])))
+    meta = {}
+    try:
+        meta = load_cost_model(args.out).meta
+    except (OSError, ValueError, KeyError):
+        pass
+    model = fit_cost_model(samples, features=("ctx_tokens", "prefill_pairs", "num_seqs"),
+                           kv_bytes_per_token=get_model("smollm2-135m").kv_bytes_per_token, pcie_bw=20e9,
+                           name="calibrated:SmolLM2-135M/cpu", meta={**meta, "refit_from": args.from_samples})
+    model.save(args.out)
+    m = model.meta
+    print(f"calibrate: refit {len(samples)} samples, mean error {m['fit_mean_rel_err']:.1%}, "
+          f"median {m['fit_median_rel_err']:.1%}; wrote {args.out}", file=sys.stderr)
     return 0

@@ -478,21 +478,48 @@ def load_cost_model(path: str | Path) -> FittedCostModel:
 # fitting
 # --------------------------------------------------------------------------
 
+def _nnls(A: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
+    """Non-negative least squares (Lawson-Hanson): min ||A x - b|| with x >= 0."""
+    m, n = A.shape
+    P = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    tol = 1e-12 * max(1.0, float(np.abs(A).max()) * float(np.abs(b).max()))
+    w = A.T @ (b - A @ x)
+    for _ in range(max_iter):
+        if P.all() or not (w[~P] > tol).any():
+            break
+        j = int(np.argmax(np.where(P, -np.inf, w)))
+        P[j] = True
+        for _ in range(max_iter):
+            z = np.zeros(n)
+            z[P] = np.linalg.lstsq(A[:, P], b, rcond=None)[0]
+            if (z[P] > 0).all():
+                break
+            mask = P & (z <= 0)
+            alpha = float(np.min(x[mask] / (x[mask] - z[mask])))
+            x = x + alpha * (z - x)
+            P &= x > 1e-15
+        x = z
+        w = A.T @ (b - A @ x)
+    return x
+
+
 def fit_cost_model(samples: Iterable[tuple[BatchShape, float]], *, grid_tokens: Optional[Sequence[int]] = None,
                    features: Sequence[str] = ("ctx_tokens", "prefill_pairs", "num_seqs"),
                    kv_bytes_per_token: int = 0, pcie_bw: float = 25e9, name: str = "fitted",
                    meta: Optional[dict] = None) -> FittedCostModel:
-    """Least squares (non-negative by clipping and refitting) of measured step
-    times on a piecewise-linear function of num_tokens (knots at grid_tokens)
-    plus linear terms in `features`."""
-    samples = list(samples)
+    """Fit measured step times: a piecewise-linear function of num_tokens (knots
+    at grid_tokens, kept only where samples are) plus linear terms in
+    `features`, every coefficient >= 0 (non-negative least squares), minimising
+    the relative error (step times span orders of magnitude)."""
+    samples = [(s, t) for s, t in samples if t > 0]
     if not samples:
         raise ValueError("no samples to fit")
     toks = np.array([s.num_tokens for s, _ in samples], dtype=np.float64)
     y = np.array([t for _, t in samples], dtype=np.float64)
+    lo, hi = int(toks.min()), int(toks.max())
     if grid_tokens is None:
-        uniq = sorted(set(int(t) for t in toks))
-        grid_tokens = uniq if len(uniq) <= 12 else sorted(set(np.geomspace(uniq[0], uniq[-1], 10).astype(int)))
+        grid_tokens = [lo, hi] + [2 ** i for i in range(0, 20) if lo < 2 ** i < hi]
     gx = np.asarray(sorted(set(int(g) for g in grid_tokens)), dtype=np.float64)
 
     def hat_basis(x):
@@ -508,31 +535,26 @@ def fit_cost_model(samples: Iterable[tuple[BatchShape, float]], *, grid_tokens: 
             B[i, j + 1] += w
         return B
 
+    H = hat_basis(toks)
+    keep = H.sum(axis=0) > 1e-9           # a knot no sample touches cannot be fitted
+    if not keep.all():
+        gx = gx[keep]
+        H = hat_basis(toks)
     feats = list(features)
-    X = np.hstack([hat_basis(toks)] + [np.array([[getattr(s, f)] for s, _ in samples], dtype=np.float64)
-                                       for f in feats])
-    # scale columns for conditioning, solve, drop negative linear coefs and refit
-    active = list(range(X.shape[1]))
-    for _ in range(len(feats) + 1):
-        Xa = X[:, active]
-        scale = np.maximum(np.abs(Xa).max(axis=0), 1e-30)
-        sol, *_ = np.linalg.lstsq(Xa / scale, y, rcond=None)
-        sol = sol / scale
-        neg = [active[i] for i, v in enumerate(sol) if active[i] >= len(gx) and v < 0]
-        if not neg:
-            break
-        active = [a for a in active if a not in neg]
-    full = np.zeros(X.shape[1])
-    full[active] = sol
-    grid_s = np.maximum(full[:len(gx)], 0.0)
-    coef = {f: float(full[len(gx) + i]) for i, f in enumerate(feats)}
+    F = np.array([[getattr(s, f) for f in feats] for s, _ in samples], dtype=np.float64).reshape(len(samples), -1)
+    X = np.hstack([H, F])
+    A = X / y[:, None]                     # relative error
+    scale = np.maximum(np.linalg.norm(A, axis=0), 1e-300)
+    sol = _nnls(A / scale, np.ones(len(y))) / scale
+    grid_s = sol[:len(gx)]
+    coef = {f: float(sol[len(gx) + i]) for i, f in enumerate(feats)}
     model = FittedCostModel(grid_tokens=[int(g) for g in gx], grid_s=grid_s.tolist(), coef=coef,
                             kv_bytes_per_token=kv_bytes_per_token, pcie_bw=pcie_bw, name=name,
                             meta=dict(meta or {}))
     pred = np.array([model.shape_time(s) for s, _ in samples])
-    rel = np.abs(pred - y) / np.maximum(y, 1e-12)
+    rel = np.abs(pred - y) / y
     model.meta.update({"fit_samples": len(samples), "fit_mean_rel_err": float(rel.mean()),
-                       "fit_max_rel_err": float(rel.max())})
+                       "fit_median_rel_err": float(np.median(rel)), "fit_max_rel_err": float(rel.max())})
     return model
 
 

@@ -1,0 +1,248 @@
+#!/usr/bin/env python
+"""Aggregate output throughput and TTFT at 1/8/32/64 concurrent streams.
+
+For each concurrency N, N distinct chat prompts are submitted at once, each
+asking for exactly `--max-tokens` output tokens (ignore_eos). Reported:
+aggregate output tok/s (all output tokens / wall time from submit to the last
+token) and TTFT p50. Systems, in the same run, same model and dtype:
+
+  * shepherd, batch-invariant mode on   (in-process Engine: scheduler + TorchExecutor)
+  * shepherd, batch-invariant mode off
+  * HF transformers `generate` (batched, left-padded, greedy, min_new_tokens = max_new_tokens)
+
+Prints a table and writes it into docs/BENCHMARKS.md between the markers
+<!-- throughput:start --> and <!-- throughput:end --> (other content is kept).
+
+    .venv/bin/python benchmarks/throughput.py            # full: 1, 8, 32, 64 streams, 128 tokens
+    .venv/bin/python benchmarks/throughput.py --quick    # 1 and 8 streams, 32 tokens
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+START, END = "<!-- throughput:start -->", "<!-- throughput:end -->"
+
+TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "honey bees", "the violin", "glaciers", "trains",
+          "coffee", "owls", "deserts", "bridges", "tea", "comets", "forests"]
+ASKS = ["Tell me a story about", "Write a poem about", "Explain the history of", "List facts about"]
+
+
+def make_prompts(tok, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        q = f"{ASKS[i % len(ASKS)]} {TOPICS[i % len(TOPICS)]} (variant {i})."
+        out.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])))
+    return out
+
+
+def p50(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ----------------------------------------------------------------------------- shepherd
+async def _shepherd_run(engine, prompts, max_tokens):
+    from shepherd.request import SamplingParams
+    t0 = time.perf_counter()
+    ttft: list[float] = []
+    ntok = 0
+
+    async def one(p):
+        nonlocal ntok
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        stream = engine.submit(p, params)
+        await stream
+        first = None
+        got = 0
+        async for out in stream:
+            if out.token_ids and first is None:
+                first = time.perf_counter() - t0
+            got += len(out.token_ids)
+            if out.finished:
+                if out.error:
+                    raise RuntimeError(out.error)
+                break
+        ttft.append(first if first is not None else float("nan"))
+        ntok += got
+
+    await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    return {"tok_s": ntok / wall, "ttft_p50": p50(ttft), "wall_s": wall, "tokens": ntok}
+
+
+def bench_shepherd(model, dtype, batch_invariant, streams, max_tokens, prompts_all):
+    from shepherd.config import EngineConfig, SchedulerConfig
+    from shepherd.engine.engine import Engine
+
+    cfg = EngineConfig(model=model, dtype=dtype, batch_invariant=batch_invariant,
+                       max_total_tokens=max(streams) * (max(len(p) for p in prompts_all) + max_tokens + 16) + 4096,
+                       scheduler=SchedulerConfig(max_batch_size=max(256, max(streams))))
+    res = {}
+
+    async def main():
+        engine = Engine(cfg)
+        await engine.start()
+        try:
+            await _shepherd_run(engine, prompts_all[:2], 8)         # warm-up
+            for n in streams:
+                res[n] = await _shepherd_run(engine, prompts_all[:n], max_tokens)
+                print(f"  shepherd bi={'on' if batch_invariant else 'off'} N={n}: "
+                      f"{res[n]['tok_s']:.0f} tok/s, TTFT p50 {res[n]['ttft_p50'] * 1000:.0f} ms", flush=True)
+        finally:
+            await engine.stop()
+    asyncio.run(main())
+    return res
+
+
+# ----------------------------------------------------------------------------- HF generate
+def bench_hf(model_path, dtype, streams, max_tokens, prompts_all, pad_id):
+    import torch
+    import transformers
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    if model_path.endswith(".gguf"):
+        m = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=getattr(torch, dtype))
+    else:
+        m = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    m.eval()
+
+    class FirstToken(LogitsProcessor):
+        def __init__(self):
+            self.t = None
+
+        def __call__(self, input_ids, scores):
+            if self.t is None:
+                self.t = time.perf_counter()
+            return scores
+
+    def run(prompts, n_new):
+        L = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+        att = torch.zeros((len(prompts), L), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p):] = torch.tensor(p)
+            att[i, L - len(p):] = 1
+        ft = FirstToken()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = m.generate(input_ids=ids, attention_mask=att, max_new_tokens=n_new, min_new_tokens=n_new,
+                             do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([ft]))
+        wall = time.perf_counter() - t0
+        ntok = (out.shape[1] - L) * len(prompts)
+        return {"tok_s": ntok / wall, "ttft_p50": (ft.t - t0) if ft.t else float("nan"), "wall_s": wall,
+                "tokens": ntok}
+
+    run(prompts_all[:2], 4)   # warm-up
+    res = {}
+    for n in streams:
+        res[n] = run(prompts_all[:n], max_tokens)
+        print(f"  HF generate N={n}: {res[n]['tok_s']:.0f} tok/s, TTFT p50 {res[n]['ttft_p50'] * 1000:.0f} ms",
+              flush=True)
+    del m
+    gc.collect()
+    return res
+
+
+# ----------------------------------------------------------------------------- report
+def table(results: dict, streams) -> str:
+    head = "| system | " + " | ".join(f"{n} stream{'s' if n > 1 else ''}: tok/s (TTFT p50)" for n in streams) + " |"
+    sep = "|---|" + "---|" * len(streams)
+    rows = [head, sep]
+    for name, res in results.items():
+        cells = []
+        for n in streams:
+            r = res.get(n)
+            cells.append("—" if r is None else f"{r['tok_s']:.0f} ({r['ttft_p50'] * 1000:.0f} ms)")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def write_doc(section: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{START}\n{section}\n{END}"
+    if START in text and END in text:
+        a = text.index(START)
+        b = text.index(END) + len(END)
+        text = text[:a] + block + text[b:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--streams", default="1,8,32,64")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="1 and 8 streams, 32 tokens")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    ap.add_argument("--no-invariant-off", action="store_true", help="skip shepherd with --no-batch-invariant")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.streams, args.max_tokens = "1,8", 32
+    streams = [int(x) for x in args.streams.split(",") if x]
+
+    import torch
+    from shepherd.model.loader import default_model_path, load_tokenizer
+
+    model = args.model or default_model_path()
+    tok = load_tokenizer(model)
+    prompts = make_prompts(tok, max(streams))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0]
+    print(f"model {model} dtype {args.dtype}, streams {streams}, {args.max_tokens} output tokens, "
+          f"prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, torch threads {torch.get_num_threads()}",
+          flush=True)
+
+    results = {}
+    results["shepherd (batch-invariant on)"] = bench_shepherd(model, args.dtype, True, streams, args.max_tokens, prompts)
+    if not args.no_invariant_off:
+        results["shepherd (batch-invariant off)"] = bench_shepherd(model, args.dtype, False, streams,
+                                                                   args.max_tokens, prompts)
+    if not args.no_hf:
+        results[f"HF transformers {__import__('transformers').__version__} generate (batched)"] = bench_hf(
+            model, args.dtype, streams, args.max_tokens, prompts, pad_id)
+
+    cmd = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/throughput.py"] + (argv or sys.argv[1:]))
+    ncpu = os.cpu_count()
+    section = "\n".join([
+        "## Throughput: aggregate output tok/s and TTFT p50 by concurrent streams",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Model: {os.path.basename(model)}, dtype {args.dtype}; {args.max_tokens} output tokens per request "
+        f"(ignore_eos, greedy); prompts: distinct chat prompts of {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens.  ",
+        f"Machine: {platform.processor() or platform.machine()}, {ncpu} CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads); measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.  ",
+        "shepherd is driven in-process through `shepherd.engine.engine.Engine` (scheduler + TorchExecutor, "
+        "no HTTP); all N requests are submitted at once. HF runs `generate` on one left-padded batch of N "
+        "(its TTFT is the time to the first generated token of the batch).",
+        "",
+        table(results, streams),
+    ])
+    print()
+    print(table(results, streams))
+    if not args.no_write:
+        write_doc(section, Path(args.out))
+        print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
