@@ -34,6 +34,7 @@ from shepherd.request import Request, RequestState, SamplingParams  # noqa: E402
 from shepherd.scheduler.scheduler import Scheduler  # noqa: E402
 from shepherd.sim.sim_executor import SimExecutor, affine_step_time  # noqa: E402
 
+FORCED_EOS = 2
 MODES = [("guaranteed", "recompute"), ("peak", "recompute"), ("optimistic", "recompute"), ("optimistic", "swap")]
 
 
@@ -242,18 +243,24 @@ def real_run(args):
         reqs = workload(args.real_n, args.real_rate, args.seed, args.real_max_tokens, prompt=(32, 128),
                         out_mean=args.real_max_tokens / 4, vocab=(100, len(tok) - 1))
         for r in reqs:
-            r.eos_token_ids = ()       # random prompts: stop by an early max_tokens instead of EOS
-            r.params.max_tokens = r.sim_output_len
+            r.eos_token_ids = (FORCED_EOS,)
 
-        # guaranteed/peak reserve by max_tokens; keep the long max_tokens visible to them
+        # the real model computes every step; a request stops at its drawn length (as if the model
+        # had sampled EOS there), so max_tokens stays long for guaranteed/peak to reserve
         class _Ex:
             kv_capacity, host_kv_capacity, max_model_len = ex.kv_capacity, ex.host_kv_capacity, ex.max_model_len
-            eos_token_ids = ()
+            eos_token_ids = (FORCED_EOS,)
 
             def execute(self, batch):
                 t = time.perf_counter()
                 res = ex.execute(batch)
                 res.step_time = time.perf_counter() - t
+                for sq in batch.seqs:
+                    r = sq.req
+                    if sq.sample and len(r.output_ids) + 1 >= r.sim_output_len:
+                        res.tokens[r.req_id] = FORCED_EOS
+                    elif sq.sample and res.tokens.get(r.req_id) == FORCED_EOS:
+                        res.tokens[r.req_id] = FORCED_EOS + 1
                 return res
         row, tr = run_mode(adm, pre, reqs, cap, _Ex, max_num_tokens=512)
         rows.append(row)

@@ -272,3 +272,12 @@ def test_debug_preempt_every_forces_preemptions():
         ref = [mk(f"r{i}", [5 + i] * 30, max_tokens=20) for i in range(3)]
         run_offline(s2, ex2, ref)
         assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+
+
+def test_priority_takes_the_step_token_budget_first():
+    s, ex = make(cap=8192, max_num_tokens=32, policy="priority")
+    low = mk("low", [5] * 1000, max_tokens=2, priority=0)
+    high = mk("high", [9] * 20, max_tokens=2, priority=3, arrival=3.0)
+    run_offline(s, ex, [low, high])
+    assert high.first_token_at - high.arrival <= 2       # not behind ~30 chunks of low's prompt
+    assert high.finished_at < low.first_token_at

@@ -668,15 +668,27 @@ class Scheduler:
         if prefill_ok:
             budget = cfg.max_num_tokens
             used = 0
-            for e in self._running:
+            started = [e for e in self._running if self._in_prefill(e)]
+            later: list[_Entry] = []
+            if cfg.policy == "priority" and self._waiting and started:
+                # the step's token budget is a resource too: a higher-priority request waiting
+                # goes before lower-priority chunks already started
+                top = max(e.req.priority for e in self._waiting)
+                later = [e for e in started if e.req.priority < top]
+                started = [e for e in started if e.req.priority >= top]
+            for e in started:
                 if used >= budget:
                     break
-                if self._in_prefill(e):
-                    used += self._emit_prefill(e, budget - used, batch)
+                used += self._emit_prefill(e, budget - used, batch)
             may_preempt_for_slot = cfg.policy == "priority" and cfg.admission == "optimistic"
             if used < budget and self._waiting and (len(self._running) < cfg.max_batch_size
                                                      or may_preempt_for_slot):
                 used += self._admit_waiting(self._admission_state(), budget - used, now, batch)
+            for e in later:
+                if used >= budget:
+                    break
+                if e.req.state is RequestState.RUNNING:
+                    used += self._emit_prefill(e, budget - used, batch)
             if batch.seqs:
                 self._consec_prefill += 1
                 self._since_prefill = 0
