@@ -282,6 +282,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -5}, "max_tokens"),
     ("/v1/completions", {"prompt": list(range(100, 2200))}, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "word " * 10000}, "prompt"),
     ("/v1/completions", {"prompt": "x", "temperature": -0.1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),

@@ -74,7 +74,7 @@ def _validation_message(errors) -> tuple[str, Optional[str]]:
         msg = e.get("msg", "invalid value")
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        parts.append(f"{where}: {msg}" if where else msg)
+        parts.append(f"{where}: {msg}" if where and not msg.startswith(loc[-1]) else msg)
     return "; ".join(parts) or "invalid request", param
 
 
