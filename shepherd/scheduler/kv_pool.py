@@ -20,17 +20,23 @@ class KVPool:
         self.capacity = capacity
         self.page_size = page_size
         self.num_pages = capacity // page_size
-        # pop from the end: page 0 first
-        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        # freed pages: a stack (pop from the end); never-used pages: hw .. num_pages-1,
+        # handed out in order after the stack is empty (no O(capacity) list at start)
+        self._free: list[int] = []
+        self._hw = 0
 
     # ---- sizes -------------------------------------------------------------
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_pages - self._hw
 
     @property
     def free_tokens(self) -> int:
-        return len(self._free) * self.page_size
+        return self.free_pages * self.page_size
+
+    def free_list(self) -> list[int]:
+        """All free pages, in the order pop() would see them from the end."""
+        return list(range(self.num_pages - 1, self._hw - 1, -1)) + self._free
 
     # ---- pages -------------------------------------------------------------
     def alloc(self, n: int) -> list[int] | None:
@@ -38,18 +44,26 @@ class KVPool:
         if n <= 0:
             return []
         free = self._free
-        if n > len(free):
+        k = len(free)
+        if n > k + self.num_pages - self._hw:
             return None
-        out = free[-n:]
-        del free[-n:]
-        out.reverse()
+        if n <= k:
+            out = free[-n:]
+            del free[-n:]
+            out.reverse()
+            return out
+        out = free[::-1]
+        free.clear()
+        hw = self._hw
+        out.extend(range(hw, hw + n - k))
+        self._hw = hw + n - k
         return out
 
     def free(self, pages) -> None:
         self._free.extend(pages)
 
     def free_set(self) -> set[int]:
-        return set(self._free)
+        return set(self.free_list())
 
     # ---- slot lists ----------------------------------------------------------
     def pages_needed(self, cur_len: int, n: int) -> int:

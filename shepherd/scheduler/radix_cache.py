@@ -62,6 +62,14 @@ class RadixCache:
         self.root.lock_ref = 1  # never evicted
         self.evictable_size = 0   # tokens in unlocked nodes
         self.protected_size = 0   # tokens in locked nodes
+        # lazy min-heap of (last_access, id, node) over evictable leaves; stale entries are
+        # skipped on pop (node detached, has children, locked, or touched since)
+        self._heap: list = []
+        self._num_nodes = 0
+
+    def _push(self, node: Node) -> None:
+        if node.lock_ref == 0 and not node.children and node is not self.root:
+            heapq.heappush(self._heap, (node.last_access, node.id, node))
 
     def _next_id(self) -> int:
         self._ids += 1
@@ -98,6 +106,8 @@ class RadixCache:
                 child = self._split(child, m)
             if touch:
                 child.last_access = t
+                if not child.children:
+                    self._push(child)
             out.extend(child.value)
             i += m
             node = child
@@ -153,6 +163,7 @@ class RadixCache:
         new = Node(child.key[:m], child.value[:m], parent, self._next_id())
         new.lock_ref = child.lock_ref
         new.last_access = child.last_access
+        self._num_nodes += 1
         parent.children[self._child_key(child.key, 0)] = new
         child.key = child.key[m:]
         child.value = child.value[m:]
@@ -182,6 +193,8 @@ class RadixCache:
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = t
+            if not child.children:
+                self._push(child)
             i += m
             node = child
         existing = i
@@ -189,10 +202,9 @@ class RadixCache:
             leaf = Node(list(ids[i:n]), list(slots[i:n]), node, self._next_id())
             leaf.last_access = t
             node.children[self._child_key(ids, i)] = leaf
-            if node.lock_ref > 0 and node is not self.root:
-                # a child of a locked node starts unlocked
-                pass
+            self._num_nodes += 1
             self.evictable_size += n - i
+            self._push(leaf)
         return existing
 
     # ---- locks ---------------------------------------------------------------
@@ -213,6 +225,8 @@ class RadixCache:
                 self.protected_size -= k
             node.lock_ref -= 1
             assert node.lock_ref >= 0
+            if node.lock_ref == 0 and not node.children:
+                self._push(node)
             node = node.parent
 
     def unlocked_len(self, node: Node) -> int:
@@ -239,20 +253,26 @@ class RadixCache:
         """Free at least num_tokens (if that many are evictable), LRU leaves first."""
         if num_tokens <= 0 or self.evictable_size == 0:
             return 0
-        heap = self._leaves()
-        heapq.heapify(heap)
+        heap = self._heap
+        if len(heap) > 2 * self._num_nodes + 1024:
+            heap[:] = [(nd.last_access, nd.id, nd) for nd in self._leaves()]
+            heapq.heapify(heap)
         freed = 0
         pool = self.pool
         while freed < num_tokens and heap:
-            nd = heapq.heappop(heap)
+            acc, _, nd = heapq.heappop(heap)
+            if (nd.parent is None or nd.children or nd.lock_ref or acc != nd.last_access):
+                continue     # stale entry
             pool.free(pool.pages_of(nd.value))
             k = len(nd.key)
             freed += k
             self.evictable_size -= k
             parent = nd.parent
             del parent.children[self._child_key(nd.key, 0)]
+            nd.parent = None
+            self._num_nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
+                self._push(parent)
         return freed
 
     # ---- introspection ---------------------------------------------------------

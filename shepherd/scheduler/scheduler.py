@@ -838,7 +838,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         pool = self.pool
-        free = pool._free
+        free = pool.free_list()
         seen: dict[int, str] = {}
         for pg in free:
             assert pg not in seen, f"page {pg} twice in the free list"
