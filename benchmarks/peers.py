@@ -89,7 +89,14 @@ def workloads(quick: bool, trace: Path | None) -> list[dict]:
     w.append({"name": "shared-prefix", "kind": "prefix",
               "args": ["--num-requests", 8 if quick else 64, "--shared-prefix", 1000, "--input-len", 32,
                        "--output-len", 8 if quick else 64, "--max-concurrency", 8 if quick else 16]})
+    # a seed of its own per workload: the same prompts for every peer, but no workload's prompts are
+    # prefixes of another's (the prefix cache would otherwise carry hits from one workload to the next)
+    for i, x in enumerate(w):
+        x["seed"] = 1 + i
     return w
+
+
+WARMUP_SEED = 999
 
 
 def mean_output_len(args: list) -> float:
@@ -218,8 +225,9 @@ def make_server(peer: str, cache: Path, logdir: Path, shepherd_args: list | None
 
 # --------------------------------------------------------------------------- running
 
-def run_bench(url: str, out: Path, args: list, extra_body: dict, ignore_eos: bool, quiet: bool = False) -> dict:
-    cmd = [sys.executable, "-m", "shepherd", "bench", "--url", url, "--out", str(out), "--seed", "0",
+def run_bench(url: str, out: Path, args: list, extra_body: dict, ignore_eos: bool, quiet: bool = False,
+              seed: int = 0) -> dict:
+    cmd = [sys.executable, "-m", "shepherd", "bench", "--url", url, "--out", str(out), "--seed", str(seed),
            "--no-plots", *map(str, args)]
     if extra_body:
         cmd += ["--extra-body", json.dumps(extra_body)]
@@ -240,15 +248,15 @@ def run_hf(cache: Path, outdir: Path, quick: bool) -> dict[str, dict]:
     """The transformers baseline: the same prompts, batched generate, in its own venv."""
     from shepherd.bench import loadgen, prompts
     tok = prompts.load_tokenizer(None)
-    builder = prompts.PromptBuilder(tok, seed=0)
     spec = {"model": str(hf_folder(cache)), "threads": os.cpu_count() or 2, "runs": []}
     for w in workloads(quick, None):
         if w["kind"] != "fixed":
             continue
         a = dict(zip(w["args"][::2], w["args"][1::2]))
         trace = loadgen.synthetic(int(a["--num-requests"]), input_len=str(a["--input-len"]),
-                                  output_len=str(a["--output-len"]), seed=0)
-        texts = [builder.build(tr, i).text for i, tr in enumerate(trace)]
+                                  output_len=str(a["--output-len"]), seed=w["seed"])
+        b = prompts.PromptBuilder(tok, seed=w["seed"])
+        texts = [b.build(tr, i).text for i, tr in enumerate(trace)]
         spec["runs"].append({"name": w["name"], "batch": w["concurrency"], "prompts": texts,
                              "max_new_tokens": int(a["--output-len"])})
     outdir.mkdir(parents=True, exist_ok=True)
@@ -301,13 +309,13 @@ def hf_worker(spec_path: str, out_path: str) -> int:
 
 
 def run_vllm_bench(cache: Path, url: str, out: Path, quick: bool) -> dict:
-    """vLLM's own client against `url`: random 128/128, 32 concurrent (quick: 8 prompts)."""
+    """vLLM's own client against `url`: random 128/128, 64 prompts, 32 concurrent (quick: 64/16, 8 prompts, 8 concurrent)."""
     out.mkdir(parents=True, exist_ok=True)
     n = 8 if quick else 64
     cmd = [str(envs.python_of(cache, "vllm")), str(envs.wrapper(cache, "vllm")), "bench", "serve",
            "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_NAME,
            "--tokenizer", str(hf_folder(cache)), "--dataset-name", "random", "--random-input-len",
-           "64" if quick else "128", "--random-output-len", "32" if quick else "128", "--num-prompts", str(n),
+           "64" if quick else "128", "--random-output-len", "16" if quick else "128", "--num-prompts", str(n),
            "--max-concurrency", "8" if quick else "32", "--request-rate", "inf", "--ignore-eos",
            "--save-result", "--result-dir", str(out), "--result-filename", "vllm_bench.json", "--disable-tqdm"]
     with open(out / "vllm_bench.log", "w") as fh:
@@ -528,7 +536,7 @@ def main() -> int:
             srv.start()
             log(f"{peer}: ready in {time.time() - t0:.0f}s; warm-up")
             run_bench(srv.url, pdir / "warmup", ["--num-requests", 2, "--input-len", 16, "--output-len", 4],
-                      srv.extra_body, srv.ignore_eos, quiet=True)
+                      srv.extra_body, srv.ignore_eos, quiet=True, seed=WARMUP_SEED)
             for w in wl:
                 args = list(w["args"])
                 if w["kind"] == "poisson":
@@ -537,7 +545,7 @@ def main() -> int:
                         log("poisson: no saturated shepherd figure yet, rate 1.0 req/s")
                     args += ["--rate", poisson_rate]
                 log(f"{peer}: {w['name']}")
-                s = run_bench(srv.url, pdir / w["name"], args, srv.extra_body, srv.ignore_eos)
+                s = run_bench(srv.url, pdir / w["name"], args, srv.extra_body, srv.ignore_eos, seed=w["seed"])
                 rows[w["name"]] = {k: s.get(k) for k in ROW_KEYS if k in s} | (
                     {"error": s["error"]} if "error" in s else {})
                 if w["kind"] == "poisson":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shepherd.config import EngineConfig
-from shepherd.engine.executor import ScheduledBatch, ScheduledSeq
+from shepherd.engine.executor import ScheduledBatch, ScheduledSeq, SwapOp
 from shepherd.request import Request, RequestState, SamplingParams
 
 pytestmark = pytest.mark.model
@@ -192,3 +192,55 @@ def test_non_invariant_mode_is_a_real_switch(ex, prompts):
     finally:
         ex.model.batch_invariant = True
     assert all(len(o) == 4 for o in out)
+
+
+def _decode(ex, r, until):
+    while len(r.output_ids) < until:
+        res = ex.execute(ScheduledBatch(step=9, seqs=[ScheduledSeq(req=r, token_ids=[r.output_ids[-1]],
+                                                                   start_pos=r.num_tokens - 1, sample=True)]))
+        r.output_ids.append(res.tokens[r.req_id])
+
+
+def test_preempt_recompute_and_swap_give_the_same_tokens(default_model_path, prompts, alone):
+    """Preemption by recompute (prefill of prompt + generated tokens) and by swap (KV to the
+    host pool and back into other slots) leave a request's greedy tokens unchanged."""
+    from shepherd.config import SchedulerConfig
+    from shepherd.engine.torch_executor import HostPoolFull, TorchExecutor
+    ex2 = TorchExecutor(EngineConfig(model=default_model_path, dtype="bfloat16", max_total_tokens=2048,
+                                     host_kv_tokens=600, scheduler=SchedulerConfig(preemption="swap")))
+    assert ex2.host_kv_capacity == 600
+    p = prompts[1]
+    # recompute after 6 tokens
+    r = Request(req_id="rc", prompt_ids=list(p), params=SamplingParams(max_tokens=NEW, temperature=0.0))
+    r.slots = list(range(len(p) + NEW))
+    res = ex2.execute(ScheduledBatch(step=0, seqs=[ScheduledSeq(req=r, token_ids=p, start_pos=0, sample=True, fresh=True)]))
+    r.output_ids.append(res.tokens["rc"])
+    _decode(ex2, r, 6)
+    ex2.execute(ScheduledBatch(step=1, released=["rc"]))           # preempted: slots freed
+    r.slots = list(range(1000, 1000 + len(p) + NEW))               # readmitted elsewhere
+    known = r.all_ids
+    res = ex2.execute(ScheduledBatch(step=2, seqs=[ScheduledSeq(req=r, token_ids=known[:-1], start_pos=0,
+                                                                sample=False, fresh=True)]))
+    _decode(ex2, r, NEW)
+    assert r.output_ids == alone[1]
+    # swap after 5 tokens
+    s = Request(req_id="sw", prompt_ids=list(p), params=SamplingParams(max_tokens=NEW, temperature=0.0))
+    s.slots = list(range(len(p) + NEW))
+    res = ex2.execute(ScheduledBatch(step=3, seqs=[ScheduledSeq(req=s, token_ids=p, start_pos=0, sample=True, fresh=True)]))
+    s.output_ids.append(res.tokens["sw"])
+    _decode(ex2, s, 5)
+    n_kv = s.num_tokens - 1
+    ex2.execute(ScheduledBatch(step=4, swap_out=[SwapOp("sw", s.slots[:n_kv])]))
+    ex2.kv_pool.zero_()                                             # the device copy is really gone
+    assert ex2.host_used == n_kv
+    s.slots = list(range(1500, 1500 + len(p) + NEW))
+    ex2.execute(ScheduledBatch(step=5, swap_in=[SwapOp("sw", s.slots[:n_kv])]))
+    assert ex2.host_used == 0
+    res = ex2.execute(ScheduledBatch(step=6, seqs=[ScheduledSeq(req=s, token_ids=[s.output_ids[-1]],
+                                                                start_pos=n_kv, sample=True, fresh=True)]))
+    s.output_ids.append(res.tokens["sw"])
+    _decode(ex2, s, NEW)
+    assert s.output_ids == alone[1]
+    # the host pool is bounded
+    with pytest.raises(HostPoolFull):
+        ex2.execute(ScheduledBatch(step=7, swap_out=[SwapOp("big", list(range(601)))]))

@@ -106,7 +106,11 @@ class TorchExecutor:
             cap = int(avail * float(cfg.kv_cache_memory_fraction)) // per_tok
             cap = max(256, min(cap, 1 << 22))
         self.kv_capacity = cap
-        self.k_pool, self.v_pool = self.model.alloc_kv(cap)
+        self.kv_pool = self.model.alloc_kv(cap)           # [layers, 2*kv_heads, cap+1, head_dim]
+        KVH = mcfg.num_kv_heads
+        self.k_pool = self.kv_pool[:, :KVH]                # views: [layers, kv_heads, cap+1, head_dim]
+        self.v_pool = self.kv_pool[:, KVH:]
+        self.scratch_slot = cap
         self.max_model_len = min(mcfg.max_position_embeddings, cap)
         if cfg.host_kv_tokens:
             self.host_kv_capacity = int(cfg.host_kv_tokens)
@@ -120,7 +124,9 @@ class TorchExecutor:
         self.sampler = Sampler()
         self.reqs: dict[str, _ReqState] = {}
         self._arange = torch.arange(max(self.max_model_len, 1) + kv_block, dtype=torch.long)
-        self._head_off = (torch.arange(mcfg.num_kv_heads, dtype=torch.long) * cap).view(-1, 1)
+        self._zeros = torch.zeros(16, dtype=torch.long)
+        self._scratch = torch.full((16,), cap, dtype=torch.long)
+        self._head_off = (torch.arange(2 * mcfg.num_kv_heads, dtype=torch.long) * (cap + 1)).view(-1, 1)
         log.info("model %s loaded in %.1fs (%s, %d layers, batch_invariant=%s, threads=%d)",
                  self.model_name, time.perf_counter() - t0, str(self.dtype).replace("torch.", ""),
                  mcfg.num_layers, self.batch_invariant, threads)
@@ -244,7 +250,12 @@ class TorchExecutor:
                 sampled.append(s)
             row += n
         T = row
-        KVH = self.model.KVH
+        pad = self.model.min_rows - T if (inv and T < self.model.min_rows) else 0
+        if pad:  # padding rows (token 0, position 0, scratch slot) so every GEMM has >= min_rows rows
+            ids.extend([0] * pad)
+            pos_parts.append(self._zeros[:pad])
+            write_parts.append(self._scratch[:pad])
+            T += pad
         head_off = self._head_off
         groups: list[AttnGroup] = []
         if dec_rows:
@@ -295,7 +306,7 @@ class TorchExecutor:
     def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run the forward; returns logits [S, V] (float32) for the seqs that sample."""
         inp, sampled = self.build_input(seqs)
-        logits = self.model.forward(inp, self.k_pool, self.v_pool)
+        logits = self.model.forward(inp, self.kv_pool)
         return logits, sampled
 
     def _run(self, seqs: list[ScheduledSeq], res: StepResult) -> None:

@@ -78,7 +78,7 @@ class AttnGroup:
     """Sequences whose attention runs as one padded batch: B sequences, each with
     q_len query rows (the same for the group) and up to Lp keys."""
     token_index: Optional[torch.Tensor]   # [B*q_len] rows of the flat token batch; None = all rows in order
-    gather: torch.Tensor                  # [KVH*B*Lp] flat (head, slot) rows of the keys; padding -> slot 0
+    gather: torch.Tensor                  # [2*KVH*B*Lp] flat (K/V head, slot) rows of the keys; padding -> slot 0
     mask: torch.Tensor                    # [B, nb, 1, q_len, Bk] additive float mask (0 / -inf), nb*Bk = Lp
     B: int
     q_len: int
@@ -90,7 +90,7 @@ class AttnGroup:
 class StepInput:
     input_ids: torch.Tensor               # [T] long
     positions: torch.Tensor               # [T] long
-    write_index: torch.Tensor             # [KVH*T] flat (head, slot) rows to write this step's K/V to
+    write_index: torch.Tensor             # [2*KVH*T] flat (K/V head, slot) rows for this step's K/V
     groups: list[AttnGroup]
     logits_index: Optional[torch.Tensor]  # [S] rows whose logits are wanted; None = all rows
     num_tokens: int = 0
@@ -168,6 +168,8 @@ class LlamaModel:
         self.min_rows = 4 if dtype == torch.bfloat16 else 8
         self.attn_min_rows = 1 if dtype == torch.bfloat16 else 8
         self.row_tile = 0
+        esz = torch.empty((), dtype=dtype).element_size()
+        self._word = torch.int64 if (self.hd * esz) % 8 == 0 else dtype
         W = weights
         cv = lambda t: t.to(dtype).contiguous()
         self.embed = cv(W["model.embed_tokens.weight"])
@@ -202,9 +204,10 @@ class LlamaModel:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.cfg.num_layers * self.KVH * self.hd * torch.empty((), dtype=self.dtype).element_size()
 
-    def alloc_kv(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.cfg.num_layers, self.KVH, capacity, self.hd)
-        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+    def alloc_kv(self, capacity: int) -> torch.Tensor:
+        """One tensor [layers, 2*kv_heads, capacity+1, head_dim]: K heads then V heads.
+        Slot `capacity` is a scratch slot for padding rows (never handed to the scheduler)."""
+        return torch.zeros((self.cfg.num_layers, 2 * self.KVH, capacity + 1, self.hd), dtype=self.dtype)
 
     # ---- primitives ------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -213,7 +216,7 @@ class LlamaModel:
         return w * (xf * torch.rsqrt(var + self.eps)).to(self.dtype)
 
     # ---- forward -----------------------------------------------------------------------
-    def forward(self, inp: StepInput, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    def forward(self, inp: StepInput, kv_pool: torch.Tensor) -> torch.Tensor:
         """Runs all layers; returns float32 logits for the rows in inp.logits_index."""
         T = inp.input_ids.shape[0]
         H, KVH, hd = self.H, self.KVH, self.hd
@@ -222,20 +225,19 @@ class LlamaModel:
         x = F.embedding(inp.input_ids, self.embed)
         cos = self.cos.index_select(0, inp.positions).unsqueeze(1)        # [T, 1, hd]
         sin = self.sin_signed.index_select(0, inp.positions).unsqueeze(1)
-        cap = k_pool.shape[2]
+        rows = kv_pool.shape[1] * kv_pool.shape[2]
+        word = self._word
         for li, L in enumerate(self.layers):
             h = self.rms_norm(x, L["ln1"])
-            qkv = L["qkv"](h)
+            qkv = L["qkv"](h)                                             # [T, q | k | v]
             qk = qkv[:, : qs + ks].view(T, H + KVH, hd)
-            qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin)  # RoPE (rotate-half form)
-            q = qk[:, :H]
-            k = qk[:, H:]
-            v = qkv[:, qs + ks:].view(T, KVH, hd)
-            kp = k_pool[li].view(KVH * cap, hd)
-            vp = v_pool[li].view(KVH * cap, hd)
-            kp.index_copy_(0, inp.write_index, k.transpose(0, 1).reshape(KVH * T, hd))
-            vp.index_copy_(0, inp.write_index, v.transpose(0, 1).reshape(KVH * T, hd))
-            attn = self.attention(q, kp, vp, inp.groups, T)
+            qk.copy_(torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin))   # RoPE (rotate-half), in place
+            # this step's K and V rows -> their slots (copied as int64 words: index_copy_ and
+            # index_select are ~8x faster on 8-byte elements than on bf16; bit-exact)
+            kvp = kv_pool[li].view(rows, hd).view(word)
+            kvp.index_copy_(0, inp.write_index, qkv[:, qs:].view(T, 2 * KVH, hd).transpose(0, 1)
+                            .reshape(2 * KVH * T, hd).view(word))
+            attn = self.attention(qkv[:, :qs].view(T, H, hd), kvp, inp.groups, T)
             x = x + L["o"](attn)
             h = self.rms_norm(x, L["ln2"])
             gu = L["gu"](h)
@@ -245,29 +247,26 @@ class LlamaModel:
         x = self.rms_norm(x, self.final_norm)
         return self.lm_head(x).float()
 
-    def attention(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-                  groups: list[AttnGroup], T: int) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, kvp: torch.Tensor, groups: list[AttnGroup], T: int) -> torch.Tensor:
         """q: [T, H, hd] (RoPE applied). Returns [T, H*hd]."""
         if len(groups) == 1 and groups[0].token_index is None:
-            return self._group_attention(q, kp, vp, groups[0])
-        out = q.new_empty((T, self.q_size))
+            return self._group_attention(q, kvp, groups[0])
+        out = q.new_zeros((T, self.q_size))
         for g in groups:
-            if g.token_index is None:
-                return self._group_attention(q, kp, vp, g)
-            og = self._group_attention(q.index_select(0, g.token_index), kp, vp, g)
+            og = self._group_attention(q.index_select(0, g.token_index), kvp, g)
             out.index_copy_(0, g.token_index, og)
         return out
 
-    def _group_attention(self, q, kp, vp, g: AttnGroup) -> torch.Tensor:
+    def _group_attention(self, q, kvp, g: AttnGroup) -> torch.Tensor:
         """q: [B*Q, H, hd] -> [B*Q, H*hd]."""
         B, Q, Lp, nb = g.B, g.q_len, g.Lp, g.nb
         KVH, G, hd = self.KVH, self.G, self.hd
         Bk = Lp // nb
         # rows of a (kv head, sequence): the G query heads of each of its Q tokens, ordered (G, Q)
-        qg = q.view(B, Q, KVH, G, hd).permute(2, 0, 3, 1, 4).reshape(KVH, B, G * Q, hd)
-        K = kp.index_select(0, g.gather).view(KVH, B, nb, Bk, hd)
-        V = vp.index_select(0, g.gather).view(KVH, B, nb, Bk, hd)
-        if not self.batch_invariant and nb == 1:
+        qg = q.reshape(B, Q, KVH, G, hd).permute(2, 0, 3, 1, 4).reshape(KVH, B, G * Q, hd)
+        KV = kvp.index_select(0, g.gather).view(self.dtype).view(2, KVH, B, nb, Bk, hd)
+        K, V = KV[0], KV[1]
+        if not self.batch_invariant and nb == 1 and Q > 1:   # prefill: fused SDPA (decodes: blocked path, faster here)
             m = g.mask.view(B, 1, 1, Q, Lp).expand(B, 1, G, Q, Lp).reshape(1, B, G * Q, Lp)
             o = F.scaled_dot_product_attention(qg, K.view(KVH, B, Lp, hd), V.view(KVH, B, Lp, hd),
                                                attn_mask=m.to(qg.dtype), scale=self.scale)

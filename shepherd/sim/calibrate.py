@@ -38,19 +38,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1, help="run the grid this many times")
-    p.add_argument("--warmup", type=int, default=2, help="steps dropped at each grid point")
+    p.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of the run")
     p.add_argument("--samples-out", default=None, help="raw samples (JSONL; default: OUT with .samples.jsonl)")
     p.add_argument("--from-samples", default=None, help="refit from a samples file instead of timing")
 
 
 def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens, decode_steps: int,
-                    warmup: int = 2, repeats: int = 1, vocab_size: int = 32000, log=None):
+                    warmup: int = 3, repeats: int = 1, vocab_size: int = 32000, log=None):
     """Run the grid through sched_factory() + executor; return [(BatchShape, seconds)]."""
     from shepherd.request import Request, SamplingParams
     from shepherd.sim.cost_model import batch_shape
     from shepherd.sim.traces import _stream, _seed_of
     samples = []
     n = 0
+    n_steps = 0
     for rep in range(repeats):
         for P in prompt_lens:
             for B in batch_sizes:
@@ -67,15 +68,17 @@ def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens,
                     batch = sched.schedule(clock)
                     if batch.empty:
                         break
+                    shape = batch_shape(batch)      # before on_step appends the sampled tokens
                     t0 = time.perf_counter()
                     res = executor.execute(batch)
                     wall = time.perf_counter() - t0
                     dt = res.step_time if res.step_time and res.step_time > 0 else wall
                     clock += dt
                     sched.on_step(batch, res, clock)
-                    if step >= warmup and batch.seqs:
-                        samples.append((batch_shape(batch), dt))
+                    if n_steps >= warmup and batch.seqs:    # warm-up: the first steps of the whole run
+                        samples.append((shape, dt))
                     step += 1
+                    n_steps += 1
                 if log:
                     log(f"  B={B:<3} P={P:<5} {step} steps")
     return samples

@@ -305,9 +305,10 @@ def synthetic(spec: SyntheticSpec) -> list[TraceRequest]:
                                         prefix_group=sys_group, prefix_tokens=sys_len if sys_group else 0,
                                         priority=c.priority, session=sess_id, turn=turn))
                 prompt_so_far = p + o
-                tt += rng.expovariate(1.0 / c.think_time) if c.think_time > 0 else 0.0
-                if tt >= horizon:
-                    break
+                if turn + 1 < c.turns:
+                    tt += rng.expovariate(1.0 / c.think_time) if c.think_time > 0 else 0.0
+                    if tt >= horizon:
+                        break
     out.sort(key=lambda r: (r.arrival, r.client))
     if spec.num_requests is not None:
         out = out[:spec.num_requests]
