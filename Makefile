@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install serve test test-fast bench bench-peers clean
 
 install: $(STAMP)
 
@@ -19,13 +19,16 @@ serve: install
 	$(BIN)/shepherd serve
 
 test: install
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not model and not e2e"
 
 bench: install
 	$(BIN)/python benchmarks/throughput.py
+
+bench-peers: install
+	$(BIN)/python benchmarks/peers.py $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -55,7 +55,16 @@ ALL_PEERS = [f"shepherd-{m}" for m in SHEPHERD_MODES] + ["shepherd-gateway", "vl
                                                           "llamacpp", "hf"]
 DEFAULT_PEERS = [p for p in ALL_PEERS if p != "vllm-default"]
 FIXED = (1, 8, 32, 64)
-AZURE = Path(os.environ.get("SHEPHERD_SHARED", ROOT.parent / "shared")) / "data/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
+
+
+def azure_trace() -> Path:
+    from shepherd.paths import shared_data
+    try:
+        return shared_data("azure_llm_2023", "AzureLLMInferenceTrace_conv.csv")
+    except FileNotFoundError as e:
+        log(str(e))
+        return Path("/nonexistent/AzureLLMInferenceTrace_conv.csv")
+
 SERVED_NAME = "smollm2-135m"
 EOS_IDS = (2,)  # SmolLM2's <|im_end|>; llama.cpp's server has no ignore_eos, so EOS is masked with logit_bias
 
@@ -496,7 +505,7 @@ def main() -> int:
     if a.install_only:
         return 0 if all(env_ok.values()) else 1
 
-    wl = workloads(a.quick, AZURE)
+    wl = workloads(a.quick, azure_trace())
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                      "command": "python benchmarks/peers.py" + (" --quick" if a.quick else "")
