@@ -240,7 +240,7 @@ def real_run(args):
     tok = ex.tokenizer
     rows, trackers, titles = [], [], []
     for adm, pre in MODES:
-        reqs = workload(args.real_n, args.real_rate, args.seed, args.real_max_tokens, prompt=(32, 128),
+        reqs = workload(args.real_n, args.real_rate, args.seed, args.real_max_tokens, prompt=(32, 96),
                         out_mean=args.real_max_tokens / 4, vocab=(100, len(tok) - 1))
         for r in reqs:
             r.eos_token_ids = (FORCED_EOS,)
@@ -281,10 +281,10 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--real", action="store_true")
-    ap.add_argument("--real-n", type=int, default=24)
-    ap.add_argument("--real-rate", type=float, default=4.0)
-    ap.add_argument("--real-cap", type=int, default=1024)
-    ap.add_argument("--real-max-tokens", type=int, default=96)
+    ap.add_argument("--real-n", type=int, default=16)
+    ap.add_argument("--real-rate", type=float, default=8.0)
+    ap.add_argument("--real-cap", type=int, default=512)
+    ap.add_argument("--real-max-tokens", type=int, default=128)
     ap.add_argument("--no-doc", action="store_true")
     args = ap.parse_args(argv)
     rows, table, img = sim_run(args)

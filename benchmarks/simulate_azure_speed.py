@@ -10,7 +10,9 @@ from shepherd.config import SchedulerConfig
 from shepherd.sim.simulator import SimConfig, simulate
 from shepherd.sim.traces import load_trace
 
-AZURE = "/work/shared/data/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
+from shepherd.paths import shared_data
+
+AZURE = str(shared_data("azure_llm_2023", "AzureLLMInferenceTrace_conv.csv"))
 
 
 def main() -> None:

@@ -8,7 +8,11 @@ import pytest
 
 from shepherd.sim import cost_model as cm
 
-SHARED = Path("/work/shared/data")
+try:
+    from shepherd.paths import shared_data_dir
+    SHARED = shared_data_dir()
+except (ImportError, FileNotFoundError):
+    SHARED = Path("/nonexistent/shared/data")
 
 
 @pytest.mark.parametrize("context", [1024, 2048, 4096, 8192, 16384, 32768])

@@ -16,7 +16,11 @@ from shepherd.sim.cost_model import RooflineCostModel
 from shepherd.sim.simulator import SimConfig, Simulator, simulate
 
 DATA = Path(__file__).parent / "data"
-SHARED = Path("/work/shared/data")
+try:
+    from shepherd.paths import shared_data_dir
+    SHARED = shared_data_dir()
+except (ImportError, FileNotFoundError):
+    SHARED = Path("/nonexistent/shared/data")
 AZURE = SHARED / "azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
 
 

@@ -10,7 +10,11 @@ from shepherd.bench.records import TraceRequest
 from shepherd.sim import traces as T
 
 DATA = Path(__file__).parent / "data"
-SHARED = Path("/work/shared/data")
+try:
+    from shepherd.paths import shared_data_dir
+    SHARED = shared_data_dir()
+except (ImportError, FileNotFoundError):
+    SHARED = Path("/nonexistent/shared/data")
 
 
 def test_azure_fixture():

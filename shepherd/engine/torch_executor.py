@@ -289,7 +289,7 @@ class TorchExecutor:
             invalid = self._arange[:Lp].unsqueeze(0) > self._arange[start: ctx].unsqueeze(1)   # [n, Lp]
             mask = torch.zeros((n, Lp), dtype=torch.float32).masked_fill_(invalid, float("-inf"))
             mask = mask.view(n, nb, Lp // nb).transpose(0, 1).contiguous().view(1, nb, 1, n, Lp // nb)
-            tok_idx = None if (n == T) else self._arange[r0: r0 + n]
+            tok_idx = None if (n == T) else torch.arange(r0, r0 + n, dtype=torch.long)
             groups.append(AttnGroup(token_index=tok_idx, gather=(head_off + gs.view(1, -1)).view(-1),
                                     mask=mask, B=1, q_len=n, Lp=Lp, nb=nb))
         write = torch.cat(write_parts) if len(write_parts) > 1 else write_parts[0]

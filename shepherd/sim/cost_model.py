@@ -562,8 +562,12 @@ _DATA = Path("/work/shared/data")
 
 
 def data_dir() -> Path:
-    import os
-    return Path(os.environ.get("SHEPHERD_DATA", str(_DATA)))
+    """shared/data (shepherd.paths: beside the checkout, or SHEPHERD_DATA_DIR)."""
+    try:
+        from shepherd.paths import shared_data_dir
+        return shared_data_dir()
+    except (ImportError, FileNotFoundError):
+        return _DATA
 
 
 def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str | Path] = None,
