@@ -244,3 +244,4 @@ def test_preempt_recompute_and_swap_give_the_same_tokens(default_model_path, pro
     # the host pool is bounded
     with pytest.raises(HostPoolFull):
         ex2.execute(ScheduledBatch(step=7, swap_out=[SwapOp("big", list(range(601)))]))
+

@@ -159,3 +159,20 @@ def test_parity_not_batch_invariant_mode(setup, prompts, default_model_path):
         ex.model.batch_invariant = True
     for i in range(len(prompts)):
         check_close(refs[i], got[i], f"{dtype} non-invariant prompt {i}")
+
+
+def test_save_hf_folder_round_trip(default_model_path, tmp_path):
+    """The GGUF written out as a Hugging Face folder (what vLLM / transformers load) reloads
+    with the same config, weights, tokenizer and chat template."""
+    from shepherd.model.loader import load_model, save_hf_folder
+    a = load_model(default_model_path, "bfloat16")
+    save_hf_folder(a, str(tmp_path))
+    b = load_model(str(tmp_path), "bfloat16")
+    assert b.config == a.config
+    assert set(b.weights) == set(a.weights)
+    assert all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)
+    text = "Hi 123 😀 <|im_start|>user"
+    assert b.tokenizer.encode(text) == a.tokenizer.encode(text)
+    assert b.tokenizer.eos_token_ids == a.tokenizer.eos_token_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    assert b.tokenizer.apply_chat_template(msgs) == a.tokenizer.apply_chat_template(msgs)

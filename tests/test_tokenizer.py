@@ -133,3 +133,27 @@ def test_missing_model_is_a_clear_error(tmp_path):
         load_tokenizer(str(tmp_path / "nope.gguf"))
     assert "does not exist" in str(e.value)
     assert isinstance(e.value, ValueError)
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    import json
+
+    from shepherd.model.loader import UnsupportedArchitectureError, load_model
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        load_model(str(tmp_path))
+    assert "not supported" in str(e.value) and "GPT2LMHeadModel" in str(e.value)
+
+
+def test_folder_without_weights_is_a_clear_error(tmp_path, tok):
+    import json
+
+    from shepherd.model.loader import ModelLoadError, load_model
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2}))
+    tok.save_hf(str(tmp_path))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(tmp_path))
+    assert "safetensors" in str(e.value)

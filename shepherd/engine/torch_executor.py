@@ -142,7 +142,7 @@ class TorchExecutor:
         g = torch.Generator().manual_seed(0)
         ok = True
         for lin in (m.layers[0]["gu"], m.layers[0]["down"], m.layers[0]["qkv"]):
-            x = torch.randn(80, lin.w.shape[1], generator=g).to(m.dtype)
+            x = torch.randn(80, lin.in_features, generator=g).to(m.dtype)
             full = lin.raw(x)
             for M in (m.min_rows, m.min_rows + 1, 7, 9, 16, 33):
                 for s in (0, 80 - M):

@@ -105,7 +105,7 @@ class Linear:
         self.w = w.contiguous()
         self.b = b
         self.owner = owner
-        self.out_features = w.shape[0]
+        self.out_features, self.in_features = w.shape
         self.packed = None
         if owner.use_mkldnn:
             try:
@@ -115,6 +115,8 @@ class Linear:
                     self.packed = None
             except Exception:
                 self.packed = None
+        if self.packed is not None:
+            self.w = None          # keep one copy of the weights in memory
 
     def _mk(self, x):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")

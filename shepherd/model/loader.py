@@ -381,10 +381,15 @@ def _hf_config(folder: str) -> ModelConfig:
 
 def _load_hf(folder: str, dtype: torch.dtype, with_weights: bool = True):
     name = os.path.basename(os.path.normpath(folder))
-    tokenizer = Tokenizer.from_hf_folder(folder, name=name)
+    cfg = _hf_config(folder) if with_weights else None
+    try:
+        tokenizer = Tokenizer.from_hf_folder(folder, name=name)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{folder}: cannot read the tokenizer ({e})") from e
     if not with_weights:
         return None, None, tokenizer, name
-    cfg = _hf_config(folder)
     from safetensors import safe_open
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
