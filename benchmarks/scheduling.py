@@ -301,7 +301,10 @@ def main(argv=None):
             update_doc(ROOT / "docs" / "SCHEDULING.md", "results:real",
                        f"Torch executor, SmolLM2-135M on this machine's CPU, {args.real_n} requests at "
                        f"{args.real_rate}/s, wall-clock step times (command: "
-                       f"`python benchmarks/scheduling.py --real`).\n\n{table}\n\n![timeline](img/{img.name})")
+                       f"`python benchmarks/scheduling.py --real`). Each request stops at a drawn length "
+                       f"(EOS forced there) while max_tokens stays {args.real_max_tokens}. Wall-clock step times "
+                       f"on a shared, loaded 2-core CPU vary several-fold between runs, so compare the modes by "
+                       f"steps, KV use and batch size more than by seconds.\n\n{table}\n\n![timeline](img/{img.name})")
     return 0
 
 
