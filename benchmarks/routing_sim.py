@@ -28,9 +28,9 @@ from concurrent.futures import ProcessPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-DEFAULT_TRACE = os.path.join(os.path.dirname(ROOT), "shared", "data", "mooncake", "synthetic_trace.jsonl")
-if not os.path.exists(DEFAULT_TRACE):
-    DEFAULT_TRACE = "/work/shared/data/mooncake/synthetic_trace.jsonl"
+from shepherd.paths import shared_data  # noqa: E402
+
+DEFAULT_TRACE = str(shared_data("mooncake", "synthetic_trace.jsonl"))
 
 POLICIES = ["random", "round-robin", "least-request", "shortest-queue", "power-of-two", "least-kv",
             "prefix-aware", "cache-aware", "weighted", "session-affinity", "vtc-basic"]

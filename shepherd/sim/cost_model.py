@@ -558,16 +558,10 @@ def fit_cost_model(samples: Iterable[tuple[BatchShape, float]], *, grid_tokens: 
     return model
 
 
-_DATA = Path("/work/shared/data")
-
-
 def data_dir() -> Path:
     """shared/data (shepherd.paths: beside the checkout, or SHEPHERD_DATA_DIR)."""
-    try:
-        from shepherd.paths import shared_data_dir
-        return shared_data_dir()
-    except (ImportError, FileNotFoundError):
-        return _DATA
+    from shepherd.paths import shared_data_dir
+    return shared_data_dir()
 
 
 def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str | Path] = None,

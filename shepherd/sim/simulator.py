@@ -49,7 +49,10 @@ from shepherd.request import FinishReason, Request, RequestState, SamplingParams
 from shepherd.sim.cost_model import CostModel, RooflineCostModel, make_cost_model
 from shepherd.sim.traces import prompt_token_ids
 
-LAZY_POLICIES = {"round-robin", "roundrobin", "rr", "random", "session-affinity"}
+# Policies whose choice reads no replica state, so routing can happen ahead of the
+# replicas catching up to the arrival time. session-affinity is not among them:
+# its fallback for requests without a session reads load.
+LAZY_POLICIES = {"round-robin", "roundrobin", "rr", "random"}
 
 
 # --------------------------------------------------------------------------
