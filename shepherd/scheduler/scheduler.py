@@ -363,9 +363,10 @@ class Scheduler:
     def _pick_victim(self, exclude: Optional[_Entry] = None, below_priority: Optional[int] = None,
                      busy: Optional[set] = None):
         cands = self._running
+        if busy:
+            cands = [e for e in cands if e.req.req_id not in busy]
         if below_priority is not None:
-            cands = [e for e in cands if e.req.priority < below_priority
-                     and not (busy and e.req.req_id in busy)]
+            cands = [e for e in cands if e.req.priority < below_priority]
         if exclude is not None:
             cands = [e for e in cands if e is not exclude]
         if not cands:
@@ -512,9 +513,10 @@ class Scheduler:
         self._running.append(e)
         return True
 
-    def _try_swap_in(self, now: float) -> None:
+    def _try_swap_in(self, now: float, batch: ScheduledBatch) -> None:
         if not self._swapped:
             return
+        just_out = {op.req_id for op in batch.swap_out}
         adm = self._admission_state()
         prio = self.cfg.policy == "priority"
         top = max((e.req.priority for e in self._waiting), default=None) if prio else None
@@ -525,9 +527,26 @@ class Scheduler:
                     break    # a higher-priority request waits: it goes first
             else:
                 e = self._swapped[0]
+            if e.req.req_id in just_out:
+                break        # swapped out in this very step: back no earlier than the next one
             if not self._admit(e, adm, now, resume_swap=True):
                 break
             self._swapped.remove(e)
+
+    def _undo_swap_in(self, e: _Entry) -> None:
+        """Take back a swap-in decided earlier in this step (the executor never saw it)."""
+        req = e.req
+        op = next(o for o in self._pending_swap_in if o.req_id == req.req_id)
+        self._pending_swap_in.remove(op)
+        self._running.remove(e)
+        self.pool.free(self.pool.pages_of(req.slots, 0))
+        req.slots = []
+        e.host_tokens = len(op.slots)
+        self._host_used += e.host_tokens
+        self._stats.swap_in_tokens -= e.host_tokens
+        self._stats.last_swap_in -= e.host_tokens
+        req.state = RequestState.SWAPPED
+        self._swapped.appendleft(e)
 
     def _admit_waiting(self, adm: AdmissionState, budget: int, now: float, batch: ScheduledBatch) -> int:
         """Admit waiting requests in policy order; returns tokens scheduled."""
@@ -655,7 +674,7 @@ class Scheduler:
                 self._preempt(v, batch, f"debug_preempt_every={k}")
 
         # swapped requests come back before anything new is admitted
-        self._try_swap_in(now)
+        self._try_swap_in(now, batch)
 
         has_decode = any(not self._in_prefill(e) for e in self._running)
         N = cfg.decode_first_prefill_every
@@ -728,7 +747,16 @@ class Scheduler:
         while total > self._available_pages():
             # never preempt the last decoder for nothing: it is the one that must progress
             exclude = dec[0] if len(dec) == 1 else None
-            v = self._pick_victim(exclude=exclude)
+            busy = {op.req_id for op in self._pending_swap_in}
+            v = self._pick_victim(exclude=exclude, busy=busy) if busy else self._pick_victim(exclude=exclude)
+            if v is None and busy:
+                u = next((x for x in reversed(self._running) if x.req.req_id in busy and x is not exclude), None)
+                if u is not None:
+                    self._undo_swap_in(u)
+                    if id(u) in need:
+                        total -= need.pop(id(u))
+                        dec = [x for x in dec if x is not u]
+                    continue
             if v is None:
                 # alone and still no room: this request can never fit
                 e = dec[0]
