@@ -113,11 +113,17 @@ def bench_hf(model_path, dtype, streams, max_tokens, prompts_all, pad_id):
     import transformers
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    tmp = None
     if model_path.endswith(".gguf"):
-        m = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=getattr(torch, dtype))
-    else:
-        m = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        # transformers 5 keeps GGUF weights quantized and computes in float32 when loading a
+        # .gguf directly; write the dequantised weights as a plain HF folder instead, so HF
+        # runs its ordinary bf16/fp32 model (the same weights shepherd runs).
+        import tempfile
+        from shepherd.model.loader import load_model, save_hf_folder
+        tmp = tempfile.TemporaryDirectory(prefix="shepherd-hf-")
+        save_hf_folder(load_model(model_path, dtype), tmp.name)
+        model_path = tmp.name
+    m = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     m.eval()
 
     class FirstToken(LogitsProcessor):
@@ -154,6 +160,8 @@ def bench_hf(model_path, dtype, streams, max_tokens, prompts_all, pad_id):
               flush=True)
     del m
     gc.collect()
+    if tmp is not None:
+        tmp.cleanup()
     return res
 
 
@@ -233,7 +241,8 @@ def main(argv=None):
         f"({torch.get_num_threads()} threads); measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.  ",
         "shepherd is driven in-process through `shepherd.engine.engine.Engine` (scheduler + TorchExecutor, "
         "no HTTP); all N requests are submitted at once. HF runs `generate` on one left-padded batch of N "
-        "(its TTFT is the time to the first generated token of the batch).",
+        "(its TTFT is the time to the first generated token of the batch); HF loads the GGUF's dequantised "
+        "weights written as a plain Hugging Face folder (`save_hf_folder`), in the same dtype.",
         "",
         table(results, streams),
     ])
