@@ -223,3 +223,15 @@ def test_cli_writes_summary(tmp_path):
     assert set(s["per_client"]) == {"a", "b"}
     assert main(["simulate", "--trace", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "x"),
                  "--format", "azure"]) == 2
+
+
+def test_request_that_outgrows_the_pool_alone_ends_with_an_error_record():
+    # Optimistic admission takes it (the prompt fits); decoding then needs more KV than the
+    # whole pool, and the scheduler ends it with an error inside schedule(). The simulator
+    # must still hand that terminal output to the record, even though no batch ran.
+    tr = [TraceRequest(arrival=0.0, prompt_tokens=1500, output_tokens=1000, index=0)]
+    res = run(tr, kv_capacity=2000, max_model_len=4096,
+              scheduler=SchedulerConfig(admission="optimistic", max_total_tokens=2000))
+    (rec,) = res.records
+    assert rec.ok is False and rec.error_kind == "error"
+    assert rec.finish is not None and 0 < rec.output_tokens < 1000

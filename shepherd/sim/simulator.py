@@ -45,6 +45,7 @@ import numpy as np
 
 from shepherd.bench.records import RequestRecord, TraceRequest
 from shepherd.config import SchedulerConfig
+from shepherd.engine.executor import StepResult
 from shepherd.request import FinishReason, Request, RequestState, SamplingParams
 from shepherd.sim.cost_model import CostModel, RooflineCostModel, make_cost_model
 from shepherd.sim.traces import prompt_token_ids
@@ -309,6 +310,9 @@ class _Replica:
         batch = sched.schedule(t0)
         self._check_preempted(t0)
         if batch.empty:
+            # schedule() can end a request without running anything (an error such as a
+            # request that alone outgrows the pool); on_step hands out that terminal output.
+            self._handle_outputs(sched.on_step(batch, StepResult(), t0), t0)
             self._sample_ts()
             return False
         tracks = self.tracks
