@@ -63,6 +63,11 @@ def stack(tmp_path_factory):
         for url, p in replicas:
             _wait_health(url, p, 240)
         _wait_health(gurl, gw, 30)
+        # the gateway re-admits a backend only after consecutive good health checks: wait for both
+        deadline = time.time() + 30
+        while httpx.get(gurl + "/health", timeout=5).json()["healthy_backends"] < 2:
+            assert time.time() < deadline, "gateway never saw both replicas healthy"
+            time.sleep(0.1)
         yield {"gateway": gurl, "replicas": replicas, "logs": logs}
     finally:
         for p in procs:

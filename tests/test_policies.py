@@ -195,9 +195,26 @@ def test_dfs_weight_groups_shared_prefixes():
     assert started[:2] == ["b1", "b2"]      # the heavier subtree first (fcfs would take a1 second)
 
 
+def test_mixed_steps_never_stall_decodes_behind_prefill():
+    s, ex = make(cap=1 << 16, max_batch_size=64, max_num_tokens=32)
+    dec = mk("dec", [5] * 4, max_tokens=40)
+    reqs = [dec] + [mk(f"p{i}", [6 + i % 20] * 200, max_tokens=2, arrival=2.0 + i) for i in range(30)]
+    steps = []
+
+    def obs(b, o, t0, t1):
+        assert b.num_tokens <= 32
+        steps.append((any(sq.req_id == "dec" for sq in b.seqs), any(sq.is_prefill for sq in b.seqs)))
+    run_offline(s, ex, reqs, observer=obs)
+    first = next(i for i, (d, _) in enumerate(steps) if d)
+    last = max(i for i, (d, _) in enumerate(steps) if d)
+    assert all(d for d, _ in steps[first:last + 1])      # a token for `dec` in every step while it runs
+    assert any(d and p for d, p in steps)                 # and prefill chunks rode in the same steps
+
+
 def test_prefill_first_bounds_decode_starvation():
     m = 3
-    s, ex = make(cap=1 << 16, max_batch_size=64, max_num_tokens=32, max_consecutive_prefill=m)
+    s, ex = make(cap=1 << 16, max_batch_size=64, max_num_tokens=32, max_consecutive_prefill=m,
+                 mixed_steps=False)
     dec = mk("dec", [5] * 4, max_tokens=60)
     reqs = [dec] + [mk(f"p{i}", [6 + i % 20] * 200, max_tokens=2, arrival=2.0 + i) for i in range(30)]
     steps = []

@@ -96,6 +96,9 @@ CONFIGS = [
     dict(admission="optimistic", n=90),
     dict(admission="peak", policy="priority", n=90),
     dict(admission="optimistic", policy="vtc", n=90),
+    dict(admission="optimistic", mixed_steps=False),
+    dict(admission="peak", mixed_steps=False, n=90),
+    dict(admission="optimistic", decode_first_prefill_every=3, mixed_steps=False),
 ]
 
 

@@ -74,9 +74,10 @@ def run_checked(cfg: SchedulerConfig, reqs, host: int = 0):
 @settings(max_examples=8, **SETTINGS)
 @given(seed=st.integers(0, 2**20), policy=st.sampled_from(POLICIES), cap=st.sampled_from([128, 256, 512]),
        preemption=st.sampled_from(["recompute", "swap"]), prefix=st.booleans(),
-       chunk=st.sampled_from([16, 64, 4096]), debug=st.sampled_from([0, 0, 5]))
-def test_random_workloads(admission, page_size, seed, policy, cap, preemption, prefix, chunk, debug):
+       chunk=st.sampled_from([16, 64, 4096]), debug=st.sampled_from([0, 0, 5]), mixed=st.booleans())
+def test_random_workloads(admission, page_size, seed, policy, cap, preemption, prefix, chunk, debug, mixed):
     cfg = SchedulerConfig(max_total_tokens=cap, max_batch_size=6, max_num_tokens=chunk, page_size=page_size,
+                          mixed_steps=mixed,
                           admission=admission, policy=policy, preemption=preemption, prefix_cache=prefix,
                           aging_steps=30, lookahead=3, debug_preempt_every=debug,
                           new_token_ratio_decay_steps=40)

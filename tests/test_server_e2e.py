@@ -35,7 +35,7 @@ def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     log = open(log_path, "w")
     cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--max-total-tokens", "4096",
-           "--executor", EXECUTOR, "--log-every-steps", "20"]
+           "--executor", EXECUTOR, "--log-every-steps", "20", "--batch-invariant"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

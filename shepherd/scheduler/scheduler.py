@@ -39,12 +39,14 @@ ADDED (beyond the stub):
     sched.running / sched.waiting / sched.swapped  # read-only views (lists of Request)
     sched.get(req_id) -> Request | None
 
-Step shape: a step is either a prefill step (chunks of admitted prompts, up to
-max_num_tokens tokens; decodes wait) or a decode step (one token for every
-running request that has its prompt computed). Prefill-first by default, at
-most max_consecutive_prefill prefill steps in a row while decodes wait;
-with decode_first_prefill_every=N, decode-first with a prefill step every N
-steps (LightLLM). A request is admitted only when its whole known sequence
+Step shape: with mixed_steps (the default, vLLM) every running decode gets its
+token first, then prefill chunks and admissions fill the rest of max_num_tokens,
+in one step; a step that had to preempt for decode KV admits nothing. Peak
+admission never mixes (its estimate needs lockstep growth). Without
+it a step is either a prefill step (chunks of admitted prompts; decodes wait) or
+a decode step (SGLang): prefill-first, at most max_consecutive_prefill prefill
+steps in a row while decodes wait. With decode_first_prefill_every=N, prefills
+join only every N steps (LightLLM), in either shape. A request is admitted only when its whole known sequence
 (prompt, plus generated tokens after a recompute) gets KV slots at once, so a
 chunked prefill never runs out of memory half-way.
 """
@@ -677,16 +679,33 @@ class Scheduler:
         self._try_swap_in(now, batch)
 
         has_decode = any(not self._in_prefill(e) for e in self._running)
+        # peak admission's exact estimate assumes every running request grows one token per
+        # step in lockstep; a request prefilling while others decode falls behind them and
+        # can then hold its peak after theirs, past the estimate. So peak never mixes.
+        mixed = cfg.mixed_steps and cfg.admission != "peak" and has_decode
+        if (mixed and cfg.policy == "priority" and cfg.admission == "optimistic" and self._waiting
+                and max(e.req.priority for e in self._waiting) > min(e.req.priority for e in self._running)):
+            mixed = False   # a higher priority may preempt: admit first, decodes follow next step
         N = cfg.decode_first_prefill_every
         if N > 0:
             prefill_ok = (not has_decode) or self._since_prefill >= N
         else:
             m = cfg.max_consecutive_prefill
-            prefill_ok = (not has_decode) or m == 0 or self._consec_prefill < m
+            prefill_ok = (not has_decode) or m == 0 or self._consec_prefill < m or mixed
 
+        used = 0
+        if mixed:
+            # decodes first (vLLM order): their KV is allocated (preempting if it must) before
+            # anything is admitted, so an admission can never be undone in the same step
+            preempted = self._stats.preemptions
+            self._build_decode(batch, now)
+            used = len(batch.seqs)
+            if batch.seqs:
+                self._ratio_steps += 1
+            if self._stats.preemptions != preempted:
+                prefill_ok = False    # memory is short: re-admitting a victim now would only thrash
         if prefill_ok:
             budget = cfg.max_num_tokens
-            used = 0
             started = [e for e in self._running if self._in_prefill(e)]
             later: list[_Entry] = []
             if cfg.policy == "priority" and self._waiting and started:
@@ -708,10 +727,14 @@ class Scheduler:
                     break
                 if e.req.state is RequestState.RUNNING:
                     used += self._emit_prefill(e, budget - used, batch)
-            if batch.seqs:
+            if len(batch.seqs) > self._stats.last_decode_seqs:
                 self._consec_prefill += 1
                 self._since_prefill = 0
                 return self._finish_batch(batch)
+        if mixed:
+            self._consec_prefill = 0
+            self._since_prefill += 1
+            return self._finish_batch(batch)
 
         # decode step
         self._consec_prefill = 0
@@ -979,6 +1002,10 @@ class Scheduler:
             return 0
         if cands:
             k = self._horizon_no_admission(k, cands, d_any)
+            if cfg.mixed_steps and cfg.admission != "peak":
+                # a mixed step tries admission after its own decode allocation, i.e. one
+                # decode step later than the prefill-first timing modelled above
+                k -= 1
         return max(0, k)
 
     def _horizon_candidates(self):
