@@ -349,6 +349,24 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
                                               "bytes": list(tokstr(t).encode("utf-8"))} for t, v in lp.top]})
         return {"content": content}
 
+    async def collect(streams: list[RequestStream]):
+        """Non-streaming answer: each choice's whole text, logprobs and terminal output."""
+        n = len(streams)
+        texts = [""] * n
+        lps: list[list] = [[] for _ in range(n)]
+        final: list[Optional[EngineOutput]] = [None] * n
+        try:
+            async for i, out in merged(streams):
+                if out.error is not None:
+                    raise_output_error(out)
+                texts[i] += out.text
+                lps[i].extend(out.logprobs)
+                if out.finished:
+                    final[i] = out
+        finally:
+            release(streams)
+        return texts, lps, final
+
     def release(streams):
         for s in streams:
             s.abort()
@@ -436,23 +454,7 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
             return _AbortingStreamingResponse(gen(), lambda: release(streams), media_type="text/event-stream",
                                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        async def collect():
-            texts = [""] * nchoice
-            lps: list[list] = [[] for _ in range(nchoice)]
-            final: list[Optional[EngineOutput]] = [None] * nchoice
-            try:
-                async for i, out in merged(streams):
-                    if out.error is not None:
-                        raise_output_error(out)
-                    texts[i] += out.text
-                    lps[i].extend(out.logprobs)
-                    if out.finished:
-                        final[i] = out
-            finally:
-                release(streams)
-            return texts, lps, final
-
-        res = await until_disconnect(request, collect())
+        res = await until_disconnect(request, collect(streams))
         if res is None:
             return Response(status_code=499)
         texts, lps, final = res
@@ -524,23 +526,7 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
             return _AbortingStreamingResponse(gen(), lambda: release(streams), media_type="text/event-stream",
                                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        async def collect():
-            texts = [""] * n
-            lps: list[list] = [[] for _ in range(n)]
-            final: list[Optional[EngineOutput]] = [None] * n
-            try:
-                async for i, out in merged(streams):
-                    if out.error is not None:
-                        raise_output_error(out)
-                    texts[i] += out.text
-                    lps[i].extend(out.logprobs)
-                    if out.finished:
-                        final[i] = out
-            finally:
-                release(streams)
-            return texts, lps, final
-
-        res = await until_disconnect(request, collect())
+        res = await until_disconnect(request, collect(streams))
         if res is None:
             return Response(status_code=499)
         texts, lps, final = res
