@@ -176,3 +176,26 @@ def test_save_hf_folder_round_trip(default_model_path, tmp_path):
     assert b.tokenizer.eos_token_ids == a.tokenizer.eos_token_ids
     msgs = [{"role": "user", "content": "hi"}]
     assert b.tokenizer.apply_chat_template(msgs) == a.tokenizer.apply_chat_template(msgs)
+
+
+@pytest.mark.model
+def test_non_invariant_bf16_chat_answer(default_model_path):
+    """The default (non batch-invariant) bf16 path answers a chat prompt as the
+    batch-invariant path and transformers do: a regression test for a fused-attention
+    prefill that produced garbage in bf16 while top-5 parity still passed."""
+    from shepherd.config import EngineConfig, SchedulerConfig
+    from shepherd.engine.offline import run_offline
+    from shepherd.engine.torch_executor import TorchExecutor
+    from shepherd.scheduler.scheduler import Scheduler
+
+    answers = {}
+    for bi in (True, False):
+        ex = TorchExecutor(EngineConfig(model=default_model_path, dtype="bfloat16", max_total_tokens=1024,
+                                        batch_invariant=bi))
+        tok = ex.tokenizer
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+        r = Request("q", ids, SamplingParams(max_tokens=8, temperature=0.0), eos_token_ids=ex.eos_token_ids)
+        run_offline(Scheduler(SchedulerConfig(max_total_tokens=1024), max_model_len=8192), ex, [r])
+        answers[bi] = tok.decode(r.output_ids)
+    assert "Paris" in answers[True]
+    assert answers[False] == answers[True]

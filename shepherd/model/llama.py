@@ -268,7 +268,10 @@ class LlamaModel:
         qg = q.reshape(B, Q, KVH, G, hd).permute(2, 0, 3, 1, 4).reshape(KVH, B, G * Q, hd)
         KV = kvp.index_select(0, g.gather).view(self.dtype).view(2, KVH, B, nb, Bk, hd)
         K, V = KV[0], KV[1]
-        if not self.batch_invariant and nb == 1 and Q > 1:   # prefill: fused SDPA (decodes: blocked path, faster here)
+        # prefill: fused SDPA (decodes: blocked path, faster here). float32 only: torch's CPU
+        # SDPA with this broadcast bf16 mask returned wrong rows (greedy chat answers turned
+        # to garbage; tests/test_model_parity.py::test_non_invariant_bf16_chat_answer).
+        if not self.batch_invariant and nb == 1 and Q > 1 and self.dtype == torch.float32:
             m = g.mask.view(B, 1, 1, Q, Lp).expand(B, 1, G, Q, Lp).reshape(1, B, G * Q, Lp)
             o = F.scaled_dot_product_attention(qg, K.view(KVH, B, Lp, hd), V.view(KVH, B, Lp, hd),
                                                attn_mask=m.to(qg.dtype), scale=self.scale)
