@@ -349,6 +349,11 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
                                               "bytes": list(tokstr(t).encode("utf-8"))} for t, v in lp.top]})
         return {"content": content}
 
+    def sse_response(gen, streams: list[RequestStream]):
+        """The stream out; closing it early (client gone) releases the requests."""
+        return _AbortingStreamingResponse(gen, lambda: release(streams), media_type="text/event-stream",
+                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     async def collect(streams: list[RequestStream]):
         """Non-streaming answer: each choice's whole text, logprobs and terminal output."""
         n = len(streams)
@@ -451,8 +456,7 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
                 finally:
                     release(streams)
 
-            return _AbortingStreamingResponse(gen(), lambda: release(streams), media_type="text/event-stream",
-                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return sse_response(gen(), streams)
 
         res = await until_disconnect(request, collect(streams))
         if res is None:
@@ -523,8 +527,7 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
                 finally:
                     release(streams)
 
-            return _AbortingStreamingResponse(gen(), lambda: release(streams), media_type="text/event-stream",
-                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return sse_response(gen(), streams)
 
         res = await until_disconnect(request, collect(streams))
         if res is None:
