@@ -85,6 +85,21 @@ class Request:
     def finished(self) -> bool:
         return self.state is RequestState.FINISHED
 
+    def stop_id_set(self) -> frozenset[int]:
+        """Token ids that end this request: its stop ids, plus EOS unless ignore_eos."""
+        stop = set(self.params.stop_token_ids or ())
+        if not self.params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        return frozenset(stop)
+
+
+def context_error(prompt_len: int, max_model_len: int) -> Optional[str]:
+    """The one context-length check: a prompt must leave room for one output token."""
+    if prompt_len + 1 > max_model_len:
+        return (f"prompt has {prompt_len} tokens; with one output token it exceeds "
+                f"max_model_len={max_model_len}")
+    return None
+
 
 @dataclass
 class TokenLogprob:

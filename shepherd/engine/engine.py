@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from shepherd.config import EngineConfig
-from shepherd.engine.executor import StepResult
+from shepherd.step import StepResult
 from shepherd.engine.metrics import EngineMetrics, StepLogger
 from shepherd.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprob
 from shepherd.scheduler.scheduler import QueueFull, RequestRejected, Scheduler, SchedulerStats
@@ -285,11 +285,9 @@ class Engine:
             eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
             ex = SimExecutor(kv_capacity=cap, host_kv_capacity=host,
                              max_model_len=min(ModelConfig().max_position_embeddings, cap),
-                             eos_token_id=eos, vocab_size=tokenizer.vocab_size)
-            ex.eos_token_ids = tuple(tokenizer.eos_token_ids) or ex.eos_token_ids
-            ex.tokenizer = tokenizer
-            ex.model_name = _model_name_from_path(cfg.model)
-            ex.paced = True  # the engine waits out the modelled step time on the wall clock
+                             eos_token_id=eos, vocab_size=tokenizer.vocab_size,
+                             eos_token_ids=tuple(tokenizer.eos_token_ids), tokenizer=tokenizer,
+                             model_name=_model_name_from_path(cfg.model), paced=True)
             return ex, tokenizer
         if cfg.executor == "torch":
             from shepherd.engine.torch_executor import TorchExecutor

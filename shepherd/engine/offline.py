@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from shepherd.engine.executor import StepResult
+from shepherd.step import StepResult
 from shepherd.request import FinishReason, Request, RequestState
 from shepherd.scheduler.scheduler import QueueFull, RequestRejected
 

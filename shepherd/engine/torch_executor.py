@@ -15,11 +15,12 @@ from typing import Optional
 import torch
 
 from shepherd.config import EngineConfig
-from shepherd.engine.executor import ScheduledBatch, ScheduledSeq, StepResult
 from shepherd.model.llama import AttnGroup, LlamaModel, StepInput
 from shepherd.model.loader import LoadedModel, load_model, model_name_for
 from shepherd.model.sampler import Sampler
 from shepherd.request import Request
+from shepherd.scheduler.kv_pool import pages_for
+from shepherd.step import ScheduledBatch, ScheduledSeq, StepResult
 
 log = logging.getLogger("shepherd")
 
@@ -47,7 +48,7 @@ def mem_available_bytes() -> int:
 
 
 def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+    return pages_for(x, m) * m
 
 
 class _ReqState:
@@ -77,6 +78,8 @@ class _ReqState:
 
 
 class TorchExecutor:
+    paced = False    # the forward takes real time: the engine never waits on top of it
+
     def __init__(self, cfg: Optional[EngineConfig] = None, loaded: Optional[LoadedModel] = None,
                  kv_block: int = 64):
         cfg = cfg or EngineConfig()

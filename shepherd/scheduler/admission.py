@@ -29,30 +29,49 @@ from bisect import insort
 
 class AdmissionState:
     """Built once per scheduling step from the running set; `fits` checks one
-    candidate, `add` commits it."""
+    candidate, `add` commits it. One subclass per mode."""
 
-    def __init__(self, mode: str, pairs: list[tuple[int, int]], free_tokens: int,
-                 ratio: float = 0.0, cap: int = 4096):
-        self.mode = mode
+    def __init__(self, pairs: list[tuple[int, int]], free_tokens: int, ratio: float = 0.0, cap: int = 4096):
         self.free = free_tokens          # free + evictable device tokens right now
         self.ratio = ratio
         self.cap = cap
-        if mode == "guaranteed":
-            self.need = sum(o + b for o, b in pairs)        # future total
-            self.held = sum(o for o, _ in pairs)
-        elif mode == "peak":
-            self.held = sum(o for o, _ in pairs)
-            # sorted by b descending: keep list of (-b, own)
-            self.items = sorted((-b, o) for o, b in pairs)
-        else:
-            self.reserve = ratio * sum(min(b, cap) for _, b in pairs)
         self.n = len(pairs)
 
-    def _peak(self, extra: tuple[int, int] | None) -> int:
-        items = self.items
-        if extra is not None:
-            items = list(items)
-            insort(items, (-extra[1], extra[0]))
+    def fits(self, own: int, b: int, locked_from_free: int = 0) -> bool:
+        """own: tokens the candidate allocates now (incl. page slack);
+        b: its growth; locked_from_free: evictable cache tokens its prefix hit
+        would lock (they stop counting as free)."""
+        raise NotImplementedError
+
+    def add(self, own: int, b: int, locked_from_free: int = 0) -> None:
+        self.free -= own + locked_from_free
+        self.n += 1
+
+
+class _GuaranteedState(AdmissionState):
+    def __init__(self, pairs, free_tokens, ratio=0.0, cap=4096):
+        super().__init__(pairs, free_tokens, ratio, cap)
+        self.need = sum(o + b for o, b in pairs)        # future total
+        self.held = sum(o for o, _ in pairs)
+
+    def fits(self, own, b, locked_from_free=0):
+        return self.need - self.held + own + b <= self.free - locked_from_free
+
+    def add(self, own, b, locked_from_free=0):
+        super().add(own, b, locked_from_free)
+        self.need += own + b
+        self.held += own
+
+
+class _PeakState(AdmissionState):
+    def __init__(self, pairs, free_tokens, ratio=0.0, cap=4096):
+        super().__init__(pairs, free_tokens, ratio, cap)
+        self.held = sum(o for o, _ in pairs)
+        self.items = sorted((-b, o) for o, b in pairs)   # by b descending: (-b, own)
+
+    def _peak(self, extra: tuple[int, int]) -> int:
+        items = list(self.items)
+        insort(items, (-extra[1], extra[0]))
         best = 0
         cum = 0
         for i, (nb, o) in enumerate(items, 1):
@@ -62,31 +81,73 @@ class AdmissionState:
                 best = v
         return best
 
-    def fits(self, own: int, b: int, locked_from_free: int = 0) -> bool:
-        """own: tokens the candidate allocates now (incl. page slack);
-        b: its growth; locked_from_free: evictable cache tokens its prefix hit
-        would lock (they stop counting as free)."""
+    def fits(self, own, b, locked_from_free=0):
+        return self._peak((own, b)) <= self.free - locked_from_free + self.held
+
+    def add(self, own, b, locked_from_free=0):
+        super().add(own, b, locked_from_free)
+        self.held += own
+        insort(self.items, (-b, own))
+
+
+class _OptimisticState(AdmissionState):
+    def __init__(self, pairs, free_tokens, ratio=0.0, cap=4096):
+        super().__init__(pairs, free_tokens, ratio, cap)
+        self.reserve = ratio * sum(min(b, cap) for _, b in pairs)
+
+    def fits(self, own, b, locked_from_free=0):
         free = self.free - locked_from_free
-        if self.mode == "guaranteed":
-            return self.need - self.held + own + b <= free
-        if self.mode == "peak":
-            budget = free + self.held
-            return self._peak((own, b)) <= budget
         if self.n == 0:
             return own <= free          # progress: an idle server admits anything that fits now
         return own + self.ratio * min(b, self.cap) <= free - self.reserve
 
-    def add(self, own: int, b: int, locked_from_free: int = 0) -> None:
-        self.free -= own + locked_from_free
-        self.n += 1
-        if self.mode == "guaranteed":
-            self.need += own + b
-            self.held += own
-        elif self.mode == "peak":
-            self.held += own
-            insort(self.items, (-b, own))
-        else:
-            self.reserve += self.ratio * min(b, self.cap)
+    def add(self, own, b, locked_from_free=0):
+        super().add(own, b, locked_from_free)
+        self.reserve += self.ratio * min(b, self.cap)
+
+
+class AdmissionMode:
+    """What an admission mode implies for the rest of the scheduler."""
+    name = ""
+    mixes_steps = True        # decodes may ride along in a prefill step (needs mixed_steps on)
+    may_preempt = False       # a decode that cannot get KV may preempt (else that is a bug)
+    reserves_output = True    # a request must fit prompt + max_tokens to be accepted at all
+    # p == 1 horizon shortcut: free and the reserved growth fall by the same amount per
+    # decode step, so a candidate that does not fit now never fits while only decodes run
+    stable_under_decode = False
+    state_class: type = AdmissionState
+
+    def state(self, pairs, free_tokens: int, ratio: float, cap: int) -> AdmissionState:
+        return self.state_class(pairs, free_tokens, ratio, cap)
+
+
+class Guaranteed(AdmissionMode):
+    name = "guaranteed"
+    stable_under_decode = True
+    state_class = _GuaranteedState
+
+
+class Peak(AdmissionMode):
+    """Never mixes: its exact estimate assumes every running request grows one token per
+    step in lockstep; a request prefilling while others decode falls behind them and can
+    then hold its peak after theirs, past the estimate."""
+    name = "peak"
+    mixes_steps = False
+    state_class = _PeakState
+
+
+class Optimistic(AdmissionMode):
+    name = "optimistic"
+    may_preempt = True
+    reserves_output = False
+    state_class = _OptimisticState
+
+
+ADMISSION_CLASSES = {m.name: m for m in (Guaranteed, Peak, Optimistic)}
+
+
+def make_admission(name: str) -> AdmissionMode:
+    return ADMISSION_CLASSES[name]()
 
 
 def peak_usage(pairs: list[tuple[int, int]]) -> int:

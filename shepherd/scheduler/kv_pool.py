@@ -13,6 +13,11 @@ The free list is a stack: `alloc(n)` returns exactly the pages that n calls of
 from __future__ import annotations
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` slots: the one page rounding, reused everywhere."""
+    return -(-tokens // page_size)
+
+
 class KVPool:
     def __init__(self, capacity: int, page_size: int = 1):
         if capacity < 1 or page_size < 1 or capacity % page_size:
@@ -71,7 +76,7 @@ class KVPool:
         p = self.page_size
         if p == 1:
             return n
-        return -(-(cur_len + n) // p) - (-(-cur_len // p))
+        return pages_for(cur_len + n, p) - pages_for(cur_len, p)
 
     def extend(self, slots: list[int], n: int, pages: list[int]) -> None:
         """Append n positions to `slots`, filling the partial last page first,

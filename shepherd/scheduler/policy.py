@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 
 class Policy:
@@ -37,8 +37,10 @@ class Policy:
     needs_sort = False        # order() sorts the queue (non-fcfs)
     dynamic = False           # order can change while only decodes run (vtc)
     charges_tokens = False    # on_tokens does something
+    ranked = False            # rank() matters: swap-in, step budget and victims follow it
+    preempts = False          # a waiting request may preempt lower-ranked running ones
 
-    def __init__(self, cfg, tree=None):
+    def __init__(self, cfg, tree=None, admission=None):
         self.cfg = cfg
         self.tree = tree
 
@@ -50,6 +52,19 @@ class Policy:
 
     def order(self, waiting, step: int) -> Iterable:
         return waiting
+
+    # preemption hooks (the priority policy overrides them)
+    def rank(self, e) -> int:
+        return 0
+
+    def pick_swap_in(self, swapped, top_waiting: Optional[int]):
+        """The swapped request to bring back next, or None to stop swapping in."""
+        return swapped[0]
+
+    def swap_floor(self, swapped) -> Optional[int]:
+        """Waiting requests ranked above this may be admitted while requests are
+        swapped out; None: swapped requests come back before anything new."""
+        return None
 
     # helpers
     def _aged_split(self, waiting, step: int):
@@ -91,10 +106,29 @@ class Random(_Sorted):
 
 
 class PriorityPolicy(_Sorted):
+    """Higher Request.priority first. Under an admission mode that may preempt, a
+    waiting request also preempts lower-priority running ones (see Scheduler)."""
     name = "priority"
+    ranked = True
+
+    def __init__(self, cfg, tree=None, admission=None):
+        super().__init__(cfg, tree, admission)
+        self.preempts = bool(admission is not None and admission.may_preempt)
 
     def key(self, e):
         return (-e.req.priority, e.seq)
+
+    def rank(self, e) -> int:
+        return e.req.priority
+
+    def pick_swap_in(self, swapped, top_waiting):
+        e = max(swapped, key=lambda x: (x.req.priority, -x.seq))
+        if top_waiting is not None and e.req.priority < top_waiting:
+            return None      # a higher-priority request waits: it goes first
+        return e
+
+    def swap_floor(self, swapped):
+        return max(e.req.priority for e in swapped)
 
 
 class LPM(_Sorted):
@@ -162,8 +196,8 @@ class VTC(Policy):
     dynamic = True
     charges_tokens = True
 
-    def __init__(self, cfg, tree=None):
-        super().__init__(cfg, tree)
+    def __init__(self, cfg, tree=None, admission=None):
+        super().__init__(cfg, tree, admission)
         self.counter: dict[str, float] = defaultdict(float)
         self.backlog: dict[str, int] = defaultdict(int)   # waiting requests per client
         self.last_left = 0.0
@@ -220,5 +254,5 @@ POLICY_CLASSES = {
 }
 
 
-def make_policy(cfg, tree=None) -> Policy:
-    return POLICY_CLASSES[cfg.policy](cfg, tree)
+def make_policy(cfg, tree=None, admission=None) -> Policy:
+    return POLICY_CLASSES[cfg.policy](cfg, tree, admission)

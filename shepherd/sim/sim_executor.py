@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from shepherd.engine.executor import ScheduledBatch, StepResult
+from shepherd.step import ScheduledBatch, StepResult
 
 
 def affine_step_time(base: float = 0.005, per_token: float = 5e-5, per_ctx: float = 5e-8,
@@ -56,11 +56,16 @@ class SimExecutor:
     def __init__(self, kv_capacity: int = 65536, host_kv_capacity: int = 0, max_model_len: int = 8192,
                  eos_token_id: int = 2, output_lens: Optional[dict[str, int]] = None,
                  step_time: Optional[Callable[[ScheduledBatch], float]] = None,
-                 swap_time_per_token: float = 1e-6, vocab_size: int = 49152, check: bool = False):
+                 swap_time_per_token: float = 1e-6, vocab_size: int = 49152, check: bool = False,
+                 eos_token_ids: tuple[int, ...] = (), tokenizer=None, model_name: Optional[str] = None,
+                 paced: bool = False):
         self.kv_capacity = kv_capacity
         self.host_kv_capacity = host_kv_capacity
         self.max_model_len = max_model_len
-        self.eos_token_ids = (eos_token_id,)
+        self.eos_token_ids = tuple(eos_token_ids) or (eos_token_id,)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.paced = paced    # True: the engine waits out the modelled step time on the wall clock
         self.eos_token_id = eos_token_id
         self.output_lens: dict[str, int] = dict(output_lens or {})
         self.step_time = step_time or affine_step_time()

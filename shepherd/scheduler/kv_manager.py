@@ -1,0 +1,276 @@
+"""KVManager: the one owner of KV memory and of every write to a request's slots.
+
+It holds the device pool, the prefix cache (radix tree) and the host (swap)
+pool, and is the only code that matches, allocates, grows, caches, swaps or
+frees a request's slots. The Scheduler decides *who*; this decides *where*.
+(vLLM's KVCacheManager and mini-sglang's CacheManager own the same thing.)
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from shepherd.request import RequestState
+from shepherd.scheduler.kv_pool import KVPool, pages_for
+from shepherd.scheduler.radix_cache import RadixCache
+from shepherd.scheduler.state import Entry, SchedulerStats
+from shepherd.step import SwapOp
+
+
+class KVManager:
+    def __init__(self, capacity: int, page_size: int, prefix_cache: bool, host_capacity: int,
+                 stats: SchedulerStats):
+        self.capacity = capacity
+        self.page_size = page_size
+        self.pool = KVPool(capacity, page_size)
+        self.tree: Optional[RadixCache] = RadixCache(self.pool) if prefix_cache else None
+        self.host_capacity = max(0, int(host_capacity))
+        self.host_used = 0
+        self.stats = stats
+
+    # ------------------------------------------------------------------ sizes
+    def available_pages(self) -> int:
+        """Free pages plus what the prefix cache could give back."""
+        ev = self.tree.evictable_size // self.page_size if self.tree is not None else 0
+        return self.pool.free_pages + ev
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self.tree.evictable_size if self.tree is not None else 0
+
+    def used_tokens(self) -> int:
+        return self.capacity - self.pool.free_tokens - self.evictable_tokens
+
+    def own_pages(self, e: Entry) -> list[int]:
+        return self.pool.pages_of(e.req.slots, e.cached_len)
+
+    def alloc(self, npages: int) -> Optional[list[int]]:
+        pool = self.pool
+        if npages > pool.free_pages and self.tree is not None:
+            self.tree.evict((npages - pool.free_pages) * self.page_size)
+        return pool.alloc(npages)
+
+    # ------------------------------------------------------------------ admission figures
+    def _growth(self, e: Entry, length: int) -> int:
+        b = e.final - length
+        return b + self.page_size - 1 if b > 0 else 0
+
+    def pair(self, e: Entry, length: Optional[int] = None) -> tuple[int, int]:
+        """(own, b) of a running request whose slot list is `length` long (now by default)."""
+        L = len(e.req.slots) if length is None else length
+        return pages_for(L - e.cached_len, self.page_size) * self.page_size, self._growth(e, L)
+
+    def candidate_need(self, e: Entry) -> tuple[int, int, int]:
+        """(own tokens, growth b, locked-from-free) for admitting waiting e now.
+        No side effects: a failed attempt leaves the cache exactly as it was."""
+        ids = e.req.all_ids
+        hit = locked = 0
+        if self.tree is not None:
+            hit, locked = self.tree.match_info(ids[:-1])
+        own = self.pool.pages_needed(hit, len(ids) - hit) * self.page_size
+        return own, self._growth(e, len(ids)), locked
+
+    def swap_need(self, e: Entry) -> tuple[int, int, int]:
+        n = e.req.num_tokens
+        return self.pool.pages_needed(0, n) * self.page_size, self._growth(e, n), 0
+
+    # ------------------------------------------------------------------ admit / swap
+    def admit(self, e: Entry, own: int) -> None:
+        """Give waiting e its whole known sequence: the cached prefix (locked) plus `own` fresh tokens."""
+        req = e.req
+        ids = req.all_ids
+        hit = 0
+        req.slots = []
+        st = self.stats
+        if self.tree is not None:
+            hit_slots, node = self.tree.match_prefix(ids[:-1], touch=True)
+            hit = len(hit_slots)
+            if hit:
+                self.tree.inc_lock_ref(node)
+                e.node = node
+            req.slots = hit_slots
+            if own != self.pool.pages_needed(hit, len(ids) - hit) * self.page_size:
+                raise AssertionError("match_prefix disagrees with match_info")
+            st.prefix_query_tokens += len(ids)
+        e.cached_len = hit
+        pages = self.alloc(own // self.page_size)
+        assert pages is not None, "admission promised pages"
+        self.pool.extend(req.slots, len(ids) - hit, pages)
+        req.num_computed = hit
+        if not e.admitted_once:
+            req.num_cached = hit
+        st.prefix_hit_tokens += hit
+        st.last_cached_tokens += hit
+
+    def swap_in(self, e: Entry, own: int) -> SwapOp:
+        req = e.req
+        pages = self.alloc(own // self.page_size)
+        assert pages is not None, "admission promised pages"
+        req.slots = []
+        self.pool.extend(req.slots, req.num_tokens, pages)
+        self.host_used -= e.host_tokens
+        self.stats.swap_in_tokens += e.host_tokens
+        self.stats.last_swap_in += e.host_tokens
+        e.host_tokens = 0
+        return SwapOp(req.req_id, req.slots[:req.num_computed])
+
+    def undo_swap_in(self, e: Entry, op: SwapOp) -> None:
+        """Take back a swap-in decided earlier in this step (the executor never saw it)."""
+        req = e.req
+        self.pool.free(self.pool.pages_of(req.slots, 0))
+        req.slots = []
+        e.host_tokens = len(op.slots)
+        self.host_used += e.host_tokens
+        self.stats.swap_in_tokens -= e.host_tokens
+        self.stats.last_swap_in -= e.host_tokens
+
+    def swap_out(self, e: Entry) -> Optional[SwapOp]:
+        """Move e's computed KV to the host pool; None (nothing done) when it does not fit."""
+        req = e.req
+        tokens = req.num_computed
+        if tokens <= 0 or self.host_used + tokens > self.host_capacity:
+            return None
+        op = SwapOp(req.req_id, req.slots[:tokens])
+        self.host_used += tokens
+        e.host_tokens = tokens
+        self.stats.swap_out_tokens += tokens
+        self.stats.last_swap_out += tokens
+        self.release(e, cache=False)
+        return op
+
+    def drop_host(self, e: Entry) -> None:
+        self.host_used -= e.host_tokens
+        e.host_tokens = 0
+
+    # ------------------------------------------------------------------ release / cache
+    def release(self, e: Entry, cache: bool = True) -> None:
+        """Give back a request's device KV: computed full pages go into the prefix
+        cache (when on), duplicates and the rest to the free list."""
+        req = e.req
+        pool = self.pool
+        slots = req.slots
+        if self.tree is not None and cache:
+            n = min(req.num_computed, len(slots))
+            n -= n % self.page_size
+            if n > e.cached_len:
+                existing = self.tree.insert(req.all_ids[:n], slots[:n])
+                if existing > e.cached_len:
+                    pool.free(pool.pages_of(slots, e.cached_len, existing))
+                pool.free(pool.pages_of(slots, n))
+            else:
+                pool.free(pool.pages_of(slots, e.cached_len))
+        else:
+            pool.free(pool.pages_of(slots, e.cached_len))
+        if e.node is not None:
+            self.tree.dec_lock_ref(e.node)
+            e.node = None
+        e.cached_len = 0
+        req.slots = []
+
+    def cache_prefilled(self, e: Entry) -> None:
+        """SGLang's cache_unfinished_req: once a prompt is computed, put it in the
+        prefix cache right away (not only when the request ends), so that requests
+        arriving meanwhile with the same prefix hit it. Where the tree already held
+        some of these tokens, the request switches to the tree's slots and frees its
+        duplicates (the executor is told with fresh=True)."""
+        req = e.req
+        n = req.num_computed
+        n -= n % self.page_size
+        if self.tree is None or n <= e.cached_len:
+            return
+        tree = self.tree
+        ids = req.all_ids[:n]
+        existing = tree.insert(ids, req.slots[:n])
+        slots, node = tree.match_prefix(ids, touch=False)
+        assert len(slots) == n
+        if existing > e.cached_len:
+            self.pool.free(self.pool.pages_of(req.slots, e.cached_len, existing))
+            req.slots[e.cached_len:existing] = slots[e.cached_len:existing]
+            e.fresh = True
+        tree.inc_lock_ref(node)
+        if e.node is not None:
+            tree.dec_lock_ref(e.node)
+        e.node = node
+        e.cached_len = n
+
+    # ------------------------------------------------------------------ decode growth
+    def decode_pages(self, e: Entry, k: int = 1) -> int:
+        """Pages e must allocate to decode k more steps."""
+        r = e.req
+        L = len(r.slots)
+        return self.pool.pages_needed(L, max(L, r.num_computed + k) - L)
+
+    def grow(self, running: list[Entry], k: int) -> None:
+        """Give every running decoder slots for k more positions, popping pages in the
+        order k single decode steps would (step by step, batch order): so one step
+        and a fast-forward of k steps leave the same pool."""
+        pool = self.pool
+        p = self.page_size
+        n = len(running)
+        if p == 1 and all(len(e.req.slots) == e.req.num_computed for e in running):
+            pages = self.alloc(n * k)
+            assert pages is not None
+            if k == 1:
+                for e, pg in zip(running, pages):
+                    e.req.slots.append(pg)
+            else:
+                for i, e in enumerate(running):
+                    e.req.slots.extend(pages[i::n])
+            return
+        events = []
+        for i, e in enumerate(running):
+            r = e.req
+            nc = r.num_computed
+            q = max(nc, len(r.slots))
+            q += (-q) % p if p > 1 else 0
+            while q < nc + k:
+                events.append((q - nc + 1, i))
+                q += p
+        events.sort()
+        pages = self.alloc(len(events))
+        assert pages is not None
+        per: list[list[int]] = [[] for _ in running]
+        for (_, i), pg in zip(events, pages):
+            per[i].append(pg)
+        for i, e in enumerate(running):
+            r = e.req
+            target = r.num_computed + k
+            if len(r.slots) < target:
+                pool.extend(r.slots, target - len(r.slots), per[i])
+
+    # ------------------------------------------------------------------ integrity
+    def check(self, running: Iterable[Entry], waiting: Iterable[Entry], swapped: Iterable[Entry]) -> None:
+        """Raise AssertionError if any page is lost or owned twice; when nothing
+        runs, also free + evictable == capacity and no cache node is locked."""
+        pool = self.pool
+        seen: dict[int, str] = {}
+        for pg in pool.free_list():
+            assert pg not in seen, f"page {pg} twice in the free list"
+            seen[pg] = "free"
+        if self.tree is not None:
+            self.tree.check()
+            for pg in self.tree.all_pages():
+                assert pg not in seen, f"cache page {pg} also {seen[pg]}"
+                seen[pg] = "cache"
+        running = list(running)
+        for e in running:
+            r = e.req
+            assert r.state is RequestState.RUNNING
+            assert len(r.slots) >= r.num_computed, (r.req_id, len(r.slots), r.num_computed)
+            assert e.cached_len % self.page_size == 0
+            assert len(r.slots) <= r.num_tokens, (r.req_id, len(r.slots), r.num_tokens)
+            for pg in self.own_pages(e):
+                assert pg not in seen, f"page {pg} of {r.req_id} also {seen[pg]}"
+                seen[pg] = r.req_id
+        assert len(seen) == pool.num_pages, f"{pool.num_pages - len(seen)} pages leaked"
+        for e in waiting:
+            assert e.req.state is RequestState.WAITING and not e.req.slots and e.node is None
+        swapped = list(swapped)
+        for e in swapped:
+            assert e.req.state is RequestState.SWAPPED and not e.req.slots and e.host_tokens > 0
+        assert self.host_used == sum(e.host_tokens for e in swapped)
+        assert self.host_used <= self.host_capacity
+        if not running:
+            prot = self.tree.protected_size if self.tree is not None else 0
+            assert prot == 0, f"{prot} cache tokens still locked while idle"
+            ev = self.evictable_tokens
+            assert pool.free_tokens + ev == self.capacity, (pool.free_tokens, ev, self.capacity)
