@@ -35,7 +35,7 @@ def snapshot(s: Scheduler):
     for e in list(s._running) + list(s._waiting) + list(s._swapped):
         r = e.req
         reqs[r.req_id] = (r.state, list(r.output_ids), list(r.slots), r.num_computed, e.cached_len)
-    return st, reqs, s.pool.free_list(), s.new_token_ratio
+    return st, reqs, s.kv.pool.free_list(), s.new_token_ratio
 
 
 def drive(cfg, reqs, fast: bool, check_every=True):

@@ -61,6 +61,11 @@ class Policy:
         """The swapped request to bring back next, or None to stop swapping in."""
         return swapped[0]
 
+    def may_preempt_now(self, waiting, running) -> bool:
+        """A waiting request outranks a running one and may preempt it."""
+        return bool(self.preempts and waiting and running
+                    and max(map(self.rank, waiting)) > min(map(self.rank, running)))
+
     def swap_floor(self, swapped) -> Optional[int]:
         """Waiting requests ranked above this may be admitted while requests are
         swapped out; None: swapped requests come back before anything new."""

@@ -1,44 +1,35 @@
 """The scheduler: waiting queue, running set, one decision per step.
 
-Pure logic: no tensors, no clock of its own (`now` is passed in), no I/O
-except logging. The engine, the simulator and the tests use exactly this:
+Pure logic: no tensors, no clock of its own (`now` is passed in), no I/O.
+The engine, the simulator and the tests use exactly this:
 
     sched = Scheduler(SchedulerConfig(...), host_kv_capacity=0, max_model_len=8192)
     sched.add(req, now)            # raises QueueFull (-> HTTP 429) or RequestRejected (-> HTTP 400)
-    out = sched.abort(req_id, now) # -> RequestOutput (terminal, ABORT) or None if unknown/finished;
-                                   #    frees its KV at once; the executor is told via the next batch.released
-    out = sched.finish(req_id, reason, now)  # engine found a stop string: terminal output, KV freed
+    out = sched.abort(req_id, now) # terminal RequestOutput (ABORT), or None if unknown; KV freed at once,
+                                   # the executor is told via the next batch.released
+    out = sched.finish(req_id, reason, now)  # the engine found a stop string: terminal output, KV freed
     batch = sched.schedule(now)    # -> ScheduledBatch (may be empty)
-    outs = sched.on_step(batch, result, now)  # append sampled tokens, detect EOS/stop ids/max_tokens,
-                                              # one RequestOutput per request that produced a token or ended
-    sched.has_work                 # anything waiting, running or swapped
-    sched.stats()                  # -> SchedulerStats (a copy of every counter)
-    sched.snapshot()               # -> SchedulerSnapshot (O(1): kv used, queue lengths, preemptions)
-    sched.check_integrity()        # AssertionError if the KV bookkeeping is off
-    sched.decode_horizon(now), sched.fast_forward(k, tokens, now)   # the simulator's fast path,
-                                   # see fast_path.py
-    sched.running / sched.waiting / sched.swapped  # read-only views (lists of Request)
-    sched.get(req_id) -> Request | None
+    outs = sched.on_step(batch, result, now)  # one RequestOutput per request that got a token or ended
+    sched.stats() / sched.snapshot()          # every counter (a copy) / an O(1) SchedulerSnapshot
+    sched.has_work, sched.running, sched.waiting, sched.swapped, sched.get(req_id), check_integrity()
+    sched.decode_horizon(now), sched.fast_forward(k, tokens, now)   # the simulator's, fast_path.py
 
-Owners: KVManager (kv_manager.py) does every write to KV memory; the
+Owners: KVManager (kv_manager.py) makes every write to KV memory; the
 admission mode (admission.py) says whether a candidate fits, whether steps
 mix and whether a decode may preempt; the policy (policy.py) orders the queue
-and ranks requests for priority preemption.
+and ranks requests for priority preemption; preemption.py picks victims.
 
 Step shape: with mixed_steps (the default, vLLM) every running decode gets its
-token first, then prefill chunks and admissions fill the rest of max_num_tokens,
-in one step; a step that had to preempt for decode KV admits nothing. Without
-it (or under an admission mode that never mixes) a step is either a prefill
-step (chunks of admitted prompts; decodes wait) or a decode step (SGLang):
-prefill-first, at most max_consecutive_prefill prefill steps in a row while
-decodes wait. With decode_first_prefill_every=N, prefills join only every N
-steps (LightLLM), in either shape. A request is admitted only when its whole
-known sequence (prompt, plus generated tokens after a recompute) gets KV slots
-at once, so a chunked prefill never runs out of memory half-way.
+token first, then prefill chunks and admissions fill the rest of max_num_tokens;
+a step that had to preempt for decode KV admits nothing. Without it (or under
+a mode that never mixes) a step is a prefill step (decodes wait) or a decode
+step (SGLang): prefill-first, at most max_consecutive_prefill prefill steps in
+a row. With decode_first_prefill_every=N, prefills join only every N steps
+(LightLLM). A request is admitted only when its whole known sequence gets KV
+slots at once, so a chunked prefill never runs out of memory half-way.
 """
 from __future__ import annotations
 
-import logging
 import random as _random
 from collections import deque
 from itertools import islice
@@ -46,7 +37,7 @@ from typing import Optional
 
 from shepherd.config import SchedulerConfig
 from shepherd.request import FinishReason, Request, RequestOutput, RequestState, context_error
-from shepherd.scheduler import fast_path
+from shepherd.scheduler import fast_path, preemption
 from shepherd.scheduler.admission import AdmissionState, make_admission
 from shepherd.scheduler.kv_manager import KVManager
 from shepherd.scheduler.kv_pool import pages_for
@@ -55,17 +46,6 @@ from shepherd.scheduler.state import Entry, QueueFull, RequestRejected, Schedule
 from shepherd.step import ScheduledBatch, ScheduledSeq, StepResult, SwapOp
 
 __all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerSnapshot", "SchedulerStats"]
-
-logger = logging.getLogger("shepherd.scheduler")
-
-RETRACT_DECODE_STEPS = 20   # SGLang's allowance when re-estimating new_token_ratio after a preemption
-
-# who is preempted first (the smallest key): config.VICTIMS
-VICTIM_KEYS = {
-    "last": lambda e: -e.admit_seq,
-    "fewest-output": lambda e: (len(e.req.output_ids), -len(e.req.prompt_ids), -e.admit_seq),
-    "lowest-priority": lambda e: (e.req.priority, -e.admit_seq),
-}
 
 
 class Scheduler:
@@ -80,7 +60,6 @@ class Scheduler:
         self.host_kv_capacity = self.kv.host_capacity
         self.admission = make_admission(config.admission)
         self.policy = make_policy(config, self.kv.tree, self.admission)
-        self._victim_key = VICTIM_KEYS[config.victim]
         self._rng = _random.Random(config.seed)
 
         self._entries: dict[str, Entry] = {}
@@ -103,14 +82,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ views
     @property
-    def pool(self):
-        return self.kv.pool
-
-    @property
-    def tree(self):
-        return self.kv.tree
-
-    @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._swapped)
 
@@ -125,10 +96,6 @@ class Scheduler:
     @property
     def swapped(self) -> list[Request]:
         return [e.req for e in self._swapped]
-
-    @property
-    def step_count(self) -> int:
-        return self._step
 
     def get(self, req_id: str) -> Optional[Request]:
         e = self._entries.get(req_id)
@@ -162,7 +129,7 @@ class Scheduler:
         limit = min(req.params.max_tokens, self.max_model_len - n)
         if self.admission.reserves_output:
             need = n + limit - 1
-            if pages_for(need, self.page_size) > self.pool.num_pages:
+            if pages_for(need, self.page_size) > self.kv.pool.num_pages:
                 raise RequestRejected(
                     f"prompt ({n}) + max_tokens ({limit}) needs {need} KV tokens, more than the capacity "
                     f"of {self.capacity}; admission={cfg.admission} reserves the whole output "
@@ -224,82 +191,6 @@ class Scheduler:
     def _reset_ratio(self, base: float) -> None:
         self._ratio_base = base
         self._ratio_steps = 0
-
-    # ------------------------------------------------------------------ preemption
-    def _pick_victim(self, exclude: Optional[Entry] = None, below_rank: Optional[int] = None,
-                     busy: Optional[set] = None):
-        cands = self._running
-        if busy:
-            cands = [e for e in cands if e.req.req_id not in busy]
-        if below_rank is not None:
-            rank = self.policy.rank
-            cands = [e for e in cands if rank(e) < below_rank]
-        if exclude is not None:
-            cands = [e for e in cands if e is not exclude]
-        if not cands:
-            return None
-        key = VICTIM_KEYS["lowest-priority"] if below_rank is not None else self._victim_key
-        return min(cands, key=key)
-
-    def _preempt(self, e: Entry, batch: ScheduledBatch, why: str) -> None:
-        req = e.req
-        tokens = req.num_computed
-        self._running.remove(e)
-        op = self.kv.swap_out(e) if self.cfg.preemption == "swap" else None
-        if op is not None:
-            batch.swap_out.append(op)
-            req.state = RequestState.SWAPPED
-            self._swapped.append(e)
-        else:
-            self.kv.release(e, cache=True)
-            req.num_computed = 0
-            req.state = RequestState.WAITING
-            self._waiting.appendleft(e)
-            self.policy.on_add(e, self._waiting)
-            self._released.append(req.req_id)
-        req.preemptions += 1
-        s = self._stats
-        s.preemptions += 1
-        s.last_preemptions += 1
-        s.preempted_tokens += tokens
-        logger.info("preempt %s (%s, %s): %d KV tokens %s, %d output tokens so far, running=%d",
-                    req.req_id, why, "swap" if op else "recompute", tokens,
-                    "moved to host" if op else "thrown away", len(req.output_ids), len(self._running))
-        if self.admission.may_preempt:
-            # SGLang: re-estimate the growth ratio from what the survivors actually produced
-            run = self._running
-            tot = sum(x.limit for x in run)
-            if tot:
-                obs = (sum(len(x.req.output_ids) for x in run) + RETRACT_DECODE_STEPS * len(run)) / tot
-                self._reset_ratio(min(1.0, max(self.new_token_ratio, obs)))
-
-    def _preempt_for(self, cand: Entry, blocked_by: str, batch: ScheduledBatch) -> bool:
-        """Preempt lower-ranked running requests so that cand fits; only if it will."""
-        rank = self.policy.rank
-        top = rank(cand)
-        # already given work (or swapped in) this step: not victims
-        busy = {sq.req_id for sq in batch.seqs} | {op.req_id for op in self._pending_swap_in}
-        lower = [e for e in self._running if rank(e) < top and e.req.req_id not in busy]
-        if not lower:
-            return False
-        if blocked_by == "batch" and len(self._running) - len(lower) >= self.cfg.max_batch_size:
-            return False
-        # would cand fit with all of them gone?
-        gone = set(map(id, lower))
-        keep = [e for e in self._running if id(e) not in gone]
-        adm = self._admission_state(running=keep)
-        adm.free += sum(len(self.kv.own_pages(e)) for e in lower) * self.page_size
-        if not adm.fits(*self.kv.candidate_need(cand)):
-            return False
-        while True:
-            v = self._pick_victim(below_rank=top, busy=busy)
-            if v is None:
-                return True
-            self._preempt(v, batch, f"priority {top} > {rank(v)}")
-            if blocked_by == "batch" and len(self._running) >= self.cfg.max_batch_size:
-                continue
-            if self._admission_state().fits(*self.kv.candidate_need(cand)):
-                return True
 
     # ------------------------------------------------------------------ admission
     def _admission_state(self, ahead: int = 0, running: Optional[list[Entry]] = None) -> AdmissionState:
@@ -393,7 +284,7 @@ class Scheduler:
                 blocked_by = "batch"
             elif not self._admit(e, adm, now):
                 blocked_by = "kv"
-            if blocked_by is not None and pol.preempts and self._preempt_for(e, blocked_by, batch):
+            if blocked_by is not None and pol.preempts and preemption.preempt_for(self, e, blocked_by, batch):
                 adm = self._admission_state()
                 if len(self._running) < cfg.max_batch_size and self._admit(e, adm, now):
                     blocked_by = None
@@ -430,36 +321,18 @@ class Scheduler:
         s.prefill_tokens += chunk
         return chunk
 
-    def _debug_preempt(self, batch: ScheduledBatch) -> None:
-        k = self.cfg.debug_preempt_every
-        if k and self._step % k == 0 and self._running:
-            # only a request that produced a token since it was (re)admitted, so that
-            # injected faults can never livelock a long chunked prefill
-            saved = self._running
-            self._running = [e for e in saved if len(e.req.output_ids) > e.out_at_admit]
-            v = self._pick_victim()
-            self._running = saved
-            if v is not None:
-                self._preempt(v, batch, f"debug_preempt_every={k}")
-
-    def _rank_may_preempt(self) -> bool:
-        """A waiting request outranks a running one and may preempt it."""
-        rank = self.policy.rank
-        return bool(self.policy.preempts and self._waiting and self._running
-                    and max(map(rank, self._waiting)) > min(map(rank, self._running)))
-
     def schedule(self, now: float) -> ScheduledBatch:
         cfg = self.cfg
         self._step += 1
         self._stats.begin_step()
         batch = ScheduledBatch(step=self._step)
         self._pending_swap_in = []
-        self._debug_preempt(batch)
+        preemption.debug_preempt(self, batch)
         self._try_swap_in(now, batch)   # swapped requests come back before anything new is admitted
 
         has_decode = any(not e.in_prefill() for e in self._running)
         mixed = cfg.mixed_steps and self.admission.mixes_steps and has_decode
-        if mixed and self._rank_may_preempt():
+        if mixed and self.policy.may_preempt_now(self._waiting, self._running):
             mixed = False   # admit (and preempt) first, decodes follow next step
         if cfg.decode_first_prefill_every > 0:
             prefill_ok = (not has_decode) or self._since_prefill >= cfg.decode_first_prefill_every
@@ -516,35 +389,9 @@ class Scheduler:
     def _build_decode(self, batch: ScheduledBatch, now: float) -> None:
         kv = self.kv
         dec = [e for e in self._running if not e.in_prefill()][: self.cfg.max_num_tokens]
-        need = {id(e): kv.decode_pages(e) for e in dec}
-        total = sum(need.values())
-        while total > kv.available_pages():
-            # never preempt the last decoder for nothing: it is the one that must progress
-            exclude = dec[0] if len(dec) == 1 else None
-            busy = {op.req_id for op in self._pending_swap_in}
-            v = self._pick_victim(exclude=exclude, busy=busy)
-            if v is None and busy:
-                u = next((x for x in reversed(self._running) if x.req.req_id in busy and x is not exclude), None)
-                if u is not None:
-                    self._undo_swap_in(u)
-                    if id(u) in need:
-                        total -= need.pop(id(u))
-                        dec = [x for x in dec if x is not u]
-                    continue
-            if v is None:
-                # alone and still no room: this request can never fit
-                e = dec[0]
-                msg = (f"request needs {e.req.num_computed + 1} KV tokens, more than the capacity "
-                       f"of {self.capacity} (prompt {len(e.req.prompt_ids)}, output {len(e.req.output_ids)})")
-                logger.warning("request %s: %s", e.req.req_id, msg)
-                self._deferred_outputs.append(self._end(e, FinishReason.ERROR, now, error=msg))
-                return
-            if not self.admission.may_preempt:
-                logger.warning("admission=%s ran out of KV: preempting (this is a bug)", self.cfg.admission)
-            self._preempt(v, batch, "out of KV for decode")
-            if id(v) in need:
-                total -= need.pop(id(v))
-                dec = [x for x in dec if x is not v]
+        dec = preemption.make_room_for_decode(self, dec, batch, now)
+        if dec is None:
+            return
         kv.grow(dec, 1)   # one allocation: the same pages, in the same order, as one per request
         seqs = batch.seqs
         for e in dec:
@@ -637,7 +484,7 @@ class Scheduler:
         s.num_running = len(self._running)
         s.num_waiting = len(self._waiting)
         s.num_swapped = len(self._swapped)
-        s.kv_free = self.pool.free_tokens
+        s.kv_free = self.kv.pool.free_tokens
         s.kv_evictable = self.kv.evictable_tokens
         s.kv_used = self.capacity - s.kv_free - s.kv_evictable
         s.kv_host_used = self.kv.host_used

@@ -232,7 +232,7 @@ class _Replica:
         self.sched = Scheduler(sc, host_kv_capacity=sim.host_kv, max_model_len=sim.max_model_len)
         self.clock = 0.0
         self.tracks: dict[str, _Track] = {}
-        self.fast = cfg.fast and hasattr(self.sched, "decode_horizon") and hasattr(self.sched, "fast_forward")
+        self.fast = cfg.fast
         self.ts_on = cfg.timeseries
         self.ts_t: list[float] = []
         self.ts_kv: list[int] = []
@@ -266,17 +266,9 @@ class _Replica:
                 break
 
     def _probe(self):
-        """(kv_used, running, waiting+swapped, preemptions) cheaply: the scheduler's
-        internals when they are there (stats() copies a dataclass and walks the
-        running set), else stats()."""
-        sc = self.sched
-        try:
-            tree = sc.tree
-            used = sc.capacity - sc.pool.free_tokens - (tree.evictable_size if tree is not None else 0)
-            return used, len(sc._running), len(sc._waiting) + len(sc._swapped), sc._stats.preemptions
-        except AttributeError:
-            st = sc.stats()
-            return st.kv_used, st.num_running, st.num_waiting + st.num_swapped, st.preemptions
+        """(kv_used, running, waiting+swapped, preemptions), from the O(1) snapshot."""
+        sn = self.sched.snapshot()
+        return sn.kv_used, sn.num_running, sn.num_waiting + sn.num_swapped, sn.preemptions
 
     def _sample_ts(self) -> None:
         used, nrun, nwait, npre = self._probe()
@@ -289,11 +281,7 @@ class _Replica:
             self.ts_wait.append(nwait)
 
     def _check_preempted(self, t: float) -> None:
-        sc = self.sched
-        try:
-            npre = sc._stats.preemptions
-        except AttributeError:
-            npre = sc.stats().preemptions
+        npre = self.sched.snapshot().preemptions
         if npre == self.last_preempt:
             return
         self.last_preempt = npre
@@ -373,7 +361,7 @@ class _Replica:
         h = sched.decode_horizon(now)
         if h < 2:
             return False
-        running = sched.running if hasattr(sched, "running") else None
+        running = sched.running
         if not running:
             return False
         n = len(running)
