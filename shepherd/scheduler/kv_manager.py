@@ -38,7 +38,8 @@ class KVManager:
         return self.tree.evictable_size if self.tree is not None else 0
 
     def used_tokens(self) -> int:
-        return self.capacity - self.pool.free_tokens - self.evictable_tokens
+        ev = self.tree.evictable_size if self.tree is not None else 0
+        return self.capacity - self.pool.free_pages * self.page_size - ev
 
     def own_pages(self, e: Entry) -> list[int]:
         return self.pool.pages_of(e.req.slots, e.cached_len)

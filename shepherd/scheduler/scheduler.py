@@ -474,9 +474,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> SchedulerSnapshot:
-        return SchedulerSnapshot(step=self._step, kv_used=self.kv.used_tokens(),
-                                 num_running=len(self._running), num_waiting=len(self._waiting),
-                                 num_swapped=len(self._swapped), preemptions=self._stats.preemptions)
+        return SchedulerSnapshot(self._step, self.kv.used_tokens(), len(self._running), len(self._waiting),
+                                 len(self._swapped), self._stats.preemptions)
 
     def stats(self) -> SchedulerStats:
         s = self._stats

@@ -3,6 +3,7 @@ snapshot, and the two ways an add() can be refused."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shepherd.request import Request
 
@@ -61,8 +62,7 @@ class SchedulerStats:
         self.last_swap_in = self.last_swap_out = self.last_preemptions = 0
 
 
-@dataclass(frozen=True)
-class SchedulerSnapshot:
+class SchedulerSnapshot(NamedTuple):
     """A cheap O(1) view for the simulator's time series and for metrics
     (stats() copies every counter and walks the running set)."""
     step: int
