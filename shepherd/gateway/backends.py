@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 
 import httpx
 
-from shepherd.gateway.routing import ReplicaState
+from shepherd.routing import ReplicaState
 
 log = logging.getLogger("shepherd.gateway")
 

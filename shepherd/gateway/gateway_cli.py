@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import Optional
 
-from shepherd.gateway.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
+from shepherd.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
 
 EXIT_CONFIG = 2
 
