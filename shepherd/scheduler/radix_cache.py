@@ -83,6 +83,26 @@ class RadixCache:
         p = self.page_size
         return ids[i] if p == 1 else tuple(ids[i:i + p])
 
+    def _next(self, node: Node, ids: list[int], i: int, n: int) -> tuple[Optional[Node], int]:
+        """The child of node that continues ids at i, and how many tokens of it match
+        (page-aligned, at most n - i); (None, 0) when no child does."""
+        child = node.children.get(self._child_key(ids, i))
+        if child is None:
+            return None, 0
+        m = min(_common_len(child.key, ids, i), n - i)
+        return child, m - m % self.page_size
+
+    def _enter(self, child: Node, m: int, t: int) -> Node:
+        """Step into child over m matched tokens: split it where the match ends inside
+        it, and touch it at tick t (0: no touch)."""
+        if m < len(child.key):
+            child = self._split(child, m)
+        if t:
+            child.last_access = t
+            if not child.children:
+                self._push(child)
+        return child
+
     # ---- lookup --------------------------------------------------------------
     def match_prefix(self, ids: list[int], touch: bool = True) -> tuple[list[int], Node]:
         """Longest cached prefix of ids (page-aligned): (its slots, last node).
@@ -94,20 +114,10 @@ class RadixCache:
         i = 0
         t = self._tick() if touch else 0
         while i < n:
-            child = node.children.get(self._child_key(ids, i))
-            if child is None:
-                break
-            m = _common_len(child.key, ids, i)
-            m = min(m, n - i)
-            m -= m % p
+            child, m = self._next(node, ids, i, n)
             if m == 0:
                 break
-            if m < len(child.key):
-                child = self._split(child, m)
-            if touch:
-                child.last_access = t
-                if not child.children:
-                    self._push(child)
+            child = self._enter(child, m, t)
             out.extend(child.value)
             i += m
             node = child
@@ -122,11 +132,9 @@ class RadixCache:
         node = self.root
         i = 0
         while i < n:
-            child = node.children.get(self._child_key(ids, i))
-            if child is None:
+            child, m = self._next(node, ids, i, n)
+            if m == 0:
                 break
-            m = min(_common_len(child.key, ids, i), n - i)
-            m -= m % p
             i += m
             if m < len(child.key):
                 break
@@ -142,11 +150,7 @@ class RadixCache:
         i = 0
         unlocked = 0
         while i < n:
-            child = node.children.get(self._child_key(ids, i))
-            if child is None:
-                break
-            m = min(_common_len(child.key, ids, i), n - i)
-            m -= m % p
+            child, m = self._next(node, ids, i, n)
             if m == 0:
                 break
             if child.lock_ref == 0:
@@ -183,18 +187,10 @@ class RadixCache:
         i = 0
         t = self._tick()
         while i < n:
-            child = node.children.get(self._child_key(ids, i))
-            if child is None:
-                break
-            m = min(_common_len(child.key, ids, i), n - i)
-            m -= m % p
+            child, m = self._next(node, ids, i, n)
             if m == 0:
                 break
-            if m < len(child.key):
-                child = self._split(child, m)
-            child.last_access = t
-            if not child.children:
-                self._push(child)
+            child = self._enter(child, m, t)
             i += m
             node = child
         existing = i
