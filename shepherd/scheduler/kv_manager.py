@@ -198,7 +198,17 @@ class KVManager:
         """Pages e must allocate to decode k more steps."""
         r = e.req
         L = len(r.slots)
-        return self.pool.pages_needed(L, max(L, r.num_computed + k) - L)
+        target = r.num_computed + k
+        if L >= target:
+            return 0
+        p = self.page_size
+        return target - L if p == 1 else pages_for(target, p) - pages_for(L, p)
+
+    def step_pages(self, entries: list[Entry]) -> list[int]:
+        """decode_pages(e, 1) of each entry, in one pass (this runs every step)."""
+        p = self.page_size
+        return [1 if len(e.req.slots) <= e.req.num_computed and (p == 1 or len(e.req.slots) % p == 0) else 0
+                for e in entries]
 
     def grow(self, running: list[Entry], k: int) -> None:
         """Give every running decoder slots for k more positions, popping pages in the
@@ -207,15 +217,23 @@ class KVManager:
         pool = self.pool
         p = self.page_size
         n = len(running)
+        if k == 1:   # one decode step (every step of the engine): a new page only at a page boundary
+            need = self.step_pages(running)
+            pages = self.alloc(sum(need))
+            assert pages is not None
+            it = iter(pages)
+            for e, new_page in zip(running, need):
+                sl = e.req.slots
+                if new_page:
+                    sl.append(next(it) * p)
+                elif len(sl) <= e.req.num_computed:
+                    sl.append(sl[-1] + 1)
+            return
         if p == 1 and all(len(e.req.slots) == e.req.num_computed for e in running):
             pages = self.alloc(n * k)
             assert pages is not None
-            if k == 1:
-                for e, pg in zip(running, pages):
-                    e.req.slots.append(pg)
-            else:
-                for i, e in enumerate(running):
-                    e.req.slots.extend(pages[i::n])
+            for i, e in enumerate(running):
+                e.req.slots.extend(pages[i::n])
             return
         events = []
         for i, e in enumerate(running):

@@ -122,8 +122,11 @@ def make_room_for_decode(s: "Scheduler", dec: list[Entry], batch: ScheduledBatch
     """Preempt (or take back this step's swap-ins) until the decoders' next pages fit;
     returns the decoders left, or None when a lone decoder can never fit (it ended)."""
     kv = s.kv
-    need = {id(e): kv.decode_pages(e) for e in dec}
-    total = sum(need.values())
+    pages = kv.step_pages(dec)
+    total = sum(pages)
+    if total <= kv.available_pages():
+        return dec
+    need = dict(zip(map(id, dec), pages))
     while total > kv.available_pages():
         # never preempt the last decoder for nothing: it is the one that must progress
         exclude = dec[0] if len(dec) == 1 else None

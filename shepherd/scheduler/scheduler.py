@@ -388,7 +388,9 @@ class Scheduler:
 
     def _build_decode(self, batch: ScheduledBatch, now: float) -> None:
         kv = self.kv
-        dec = [e for e in self._running if not e.in_prefill()][: self.cfg.max_num_tokens]
+        dec = [e for e in self._running   # not in prefill (inlined: this runs every step)
+               if e.req.num_computed >= len(e.req.prompt_ids) + len(e.req.output_ids) - 1]
+        dec = dec[: self.cfg.max_num_tokens]
         dec = preemption.make_room_for_decode(self, dec, batch, now)
         if dec is None:
             return
