@@ -395,3 +395,14 @@ def test_policies_are_deterministic():
     for i in range(50):
         p.choose(req(), rs).in_flight += 1
         assert max(r.in_flight for r in rs) - min(r.in_flight for r in rs) <= 1
+
+
+def test_every_knob_is_documented_at_its_policy_class_and_old_imports_work():
+    import shepherd.gateway.routing as old
+    import shepherd.routing as new
+    from shepherd.routing.registry import POLICIES
+    for name, cls in POLICIES.items():
+        for knob in policy_knobs(name):
+            assert knob in (cls.__doc__ or ""), f"{name}: knob {knob!r} not documented at {cls.__name__}"
+    for attr in new.__all__:
+        assert getattr(old, attr) is getattr(new, attr)

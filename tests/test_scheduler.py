@@ -228,3 +228,34 @@ def test_swap_ops_cost_time():
     from shepherd.engine.executor import ScheduledBatch, SwapOp
     t = ex.execute(ScheduledBatch(step=1, swap_out=[SwapOp("x", [1, 2, 3])]))
     assert t.step_time == 3.0
+
+
+def test_snapshot_agrees_with_stats_through_preemption():
+    """snapshot() is the cheap public view the simulator samples every step: it must
+    say what stats() says (KV used, queue lengths, preemptions) at every step."""
+    s = sched(max_total_tokens=128, max_batch_size=8, max_num_tokens=64, preemption="swap", host=128,
+              debug_preempt_every=5)
+    reqs = [mk(f"r{i}", n=12 + i, max_tokens=20, out=10 + i) for i in range(8)]
+    seen = []
+
+    def obs(b, o, t0, t1):
+        sn, st = s.snapshot(), s.stats()
+        assert (sn.kv_used, sn.num_running, sn.num_waiting, sn.num_swapped, sn.preemptions, sn.step) == \
+            (st.kv_used, st.num_running, st.num_waiting, st.num_swapped, st.preemptions, st.step)
+        seen.append(sn)
+    ex = SimExecutor(kv_capacity=128, host_kv_capacity=128, check=True)
+    run_offline(s, ex, reqs, observer=obs)
+    assert seen and seen[-1].preemptions > 0 and max(x.num_swapped for x in seen) > 0
+    assert s.snapshot().kv_used == 0 and not s.has_work
+
+
+def test_one_stop_set_and_one_context_rule():
+    from shepherd.request import context_error
+    r = mk("a", params=SamplingParams(stop_token_ids=[7]))
+    assert r.stop_id_set() == {7, EOS}
+    r = mk("b", params=SamplingParams(stop_token_ids=[7], ignore_eos=True))
+    assert r.stop_id_set() == {7}
+    assert context_error(15, 16) is None and "max_model_len=16" in context_error(16, 16)
+    s = sched(max_total_tokens=256, max_model_len=16)
+    with pytest.raises(RequestRejected, match="max_model_len=16"):
+        s.add(mk("c", n=16), 0.0)
