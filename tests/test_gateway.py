@@ -169,7 +169,7 @@ def test_client_4xx_passes_through_and_is_not_a_failure(cluster_factory):
 
 # --- retries -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["fail500", "die_before_first", "overload503"])
+@pytest.mark.parametrize("mode", ["die_before_first", "overload503"])
 def test_retry_on_another_replica_before_first_byte(cluster_factory, mode):
     c = cluster_factory(n=2, policy="round-robin")
     c.fakes[0].mode = mode
@@ -261,7 +261,7 @@ def test_in_flight_returns_to_zero_after_client_aborts(cluster_factory):
 def test_in_flight_counts_concurrent_requests_and_returns_to_zero(cluster_factory):
     import concurrent.futures as cf
     c = cluster_factory(n=2, chunk_delay=0.05, chunks=4, policy="least-request")
-    c.fakes[1].mode = "fail500"
+    c.fakes[1].mode = "overload503"
     with cf.ThreadPoolExecutor(16) as ex:
         futs = [ex.submit(post_stream, c.client, BODY) for _ in range(40)]
         seen = 0
@@ -295,14 +295,41 @@ def test_ejection_and_readmission(cluster_factory):
     assert b0.ejections == 1
 
 
-def test_passive_ejection_from_request_failures(cluster_factory):
+def test_passive_ejection_from_connection_failures(cluster_factory):
     c = cluster_factory(n=2, policy="round-robin",
                         health=HealthConfig(health_interval=30, metrics_interval=0, fail_threshold=2))
-    c.fakes[0].mode = "fail500"          # /health still answers 200, requests fail
+    c.servers[0].stop()                  # /health is not polled in time; requests cannot connect
     for _ in range(6):
         assert c.client.post("/v1/completions", json=BODY).status_code == 200
     assert not c.pool.backends()[0].healthy
-    assert c.fakes[0].requests == 2
+
+
+def test_a_500_answer_is_passed_through_and_never_ejects(cluster_factory):
+    """Three bad requests that make replicas answer 500 must not take the service down."""
+    c = cluster_factory(n=2, policy="round-robin",
+                        health=HealthConfig(health_interval=30, metrics_interval=0, fail_threshold=1))
+    for f in c.fakes:
+        f.mode = "fail500"
+    for _ in range(3):
+        r = c.client.post("/v1/completions", json=BODY)
+        assert r.status_code == 500 and "error" in r.json()
+    assert sum(f.requests for f in c.fakes) == 3          # not retried on the other replica
+    assert all(b.healthy and b.total_failures == 0 for b in c.pool.backends())
+    for f in c.fakes:
+        f.mode = "ok"
+    for _ in range(4):
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+
+
+def test_gateway_own_errors_are_openai_json(cluster_factory):
+    c = cluster_factory(n=1)
+    deep = b"[" * 100000 + b"]" * 100000
+    r = c.client.post("/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = c.client.post("/v1/completions", content=b'{"prompt": "a\\ud800b", "max_tokens": 2}',
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 200                         # routed; the fake backend does not care
+    assert c.client.post("/v1/completions", json=BODY).status_code == 200
 
 
 def test_no_healthy_backend_is_503(cluster_factory):

@@ -20,16 +20,17 @@ Request life (the invariants tests/test_gateway.py checks):
   error, retry, client abort (a watcher on http.disconnect cancels the
   handler), timeout.
 - A backend failure before the first byte reached the client (connect
-  error, timeout, 5xx, 429/503 overload, a stream that dies before its
-  first chunk) is retried on another replica, at most `retries` times, with
-  exponential backoff. Response headers go to the client only together
+  error, timeout, a stream that dies before its first chunk) or a 429/503
+  overload answer is retried on another replica, at most `retries` times,
+  with exponential backoff. Response headers go to the client only together
   with the first body chunk, so "nothing sent yet" is exact.
 - After the first byte, a failure ends the stream with one SSE error event
   (`data: {"error": {...}}`); nothing hangs: connect/read/write timeouts
   bound every wait on a backend.
-- Connect errors, timeouts, 500/502/504 count toward ejecting a backend;
-  429 and 503 (overload) do not, and a 4xx answer (the client's fault) is
-  passed through and counts as a success.
+- Only connect errors, timeouts, broken streams and /health count toward
+  ejecting a backend. Any HTTP answer (4xx, or a 5xx about one request's
+  content) is passed through once and counts as a success: three hostile
+  requests must not eject every replica.
 - Bad input to the gateway itself (not JSON, not an object, no prompt /
   messages, body too large) gets a 400 with an OpenAI-style error body.
 """
@@ -201,6 +202,9 @@ def route_request_from(payload: dict, chat: bool, headers: dict, now: float) -> 
             text = " ".join(map(str, prompt[0]))
         else:
             raise _BadRequest("'prompt' must be a string, a list of strings, or token ids", "prompt")
+    # lone surrogates (legal in JSON, not in UTF-8) would break the policies' hashing; the
+    # replica answers such a request with a 400, the gateway only needs something to route on
+    text = text.encode("utf-8", "replace").decode("utf-8")
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise _BadRequest("'stream' must be a boolean", "stream")
@@ -273,7 +277,19 @@ class Gateway:
     async def __call__(self, scope, receive, send) -> None:
         t = scope["type"]
         if t == "http":
-            await self._http(scope, receive, send)
+            started = False
+
+            async def send_seen(msg):
+                nonlocal started
+                started = started or msg["type"] == "http.response.start"
+                await send(msg)
+            try:
+                await self._http(scope, receive, send_seen)
+            except Exception as e:  # noqa: BLE001 - a gateway bug answers in JSON, never plain text
+                log.exception("gateway error")
+                if not started:
+                    await _send_json(send, 500, error_body(f"gateway error: {type(e).__name__}",
+                                                           "server_error", 500))
         elif t == "lifespan":
             await self._lifespan(receive, send)
 
@@ -398,8 +414,8 @@ class Gateway:
             body = await self._read_body(receive)
             try:
                 payload = json.loads(body)
-            except ValueError:
-                raise _BadRequest("request body is not valid JSON") from None
+            except (ValueError, RecursionError):
+                raise _BadRequest("request body is not valid JSON (or nested too deeply)") from None
             if not isinstance(payload, dict):
                 raise _BadRequest("request body must be a JSON object")
             hdrs = {}
@@ -523,18 +539,18 @@ class Gateway:
             try:
                 status = resp.status_code
                 status_label = str(status)
-                if status >= 500 or status == 429:
+                if status in (429, 503):
+                    # "busy, try elsewhere": another replica may have room; not a failure
                     try:
                         data = await resp.read()
                     except UpstreamError:
                         data = json.dumps(error_body(f"backend answered {status}", "upstream_error",
                                                      status)).encode()
-                    if status in (429, 503):
-                        why = f"overloaded: HTTP {status} from {backend.url}"
-                    else:
-                        pool.record_failure(backend, f"HTTP {status}")
-                        why = f"status: HTTP {status} from {backend.url}"
+                    why = f"overloaded: HTTP {status} from {backend.url}"
                     return False, why, (status, self._resp_headers(resp, backend), data)
+                # Any other answer, 4xx or 5xx, is about this request's content: passed through,
+                # never retried (it would fail the same way elsewhere) and never held against the
+                # replica, so a client cannot eject replicas by sending bad requests.
                 pool.record_success(backend)
                 if not resp.content_type.startswith("text/event-stream"):
                     try:
