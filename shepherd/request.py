@@ -40,6 +40,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None    # None = off; N = also return the top-N alternatives
+    logit_bias: Optional[dict[int, float]] = None   # token id -> added to its logit
+    min_tokens: int = 0               # stop tokens are masked until this many tokens are out
+    include_stop_str_in_output: bool = False
+    # a grammar as its spec, (kind, text): kind json_schema | json_object | regex | choice | ebnf;
+    # the compiled matcher lives beside the sampler (a spec pickles, a matcher does not)
+    grammar: Optional[tuple[str, str]] = None
 
     @property
     def greedy(self) -> bool:

@@ -91,6 +91,7 @@ class EngineOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    stop_reason: Optional[Any] = None     # the stop string or stop token id that ended it (vLLM's field)
 
     @property
     def usage(self) -> dict:
@@ -157,7 +158,7 @@ class _Track:
     """Engine-thread bookkeeping of one request: detokeniser and stop strings."""
 
     __slots__ = ("req", "stream", "detok", "text", "sent", "checked", "stops", "max_stop", "stop_ids",
-                 "done", "t_last", "first")
+                 "done", "t_last", "first", "matched", "stop_reason")
 
     def __init__(self, req: Request, stream: RequestStream, detok, stop_ids: set[int]):
         self.req = req
@@ -172,6 +173,14 @@ class _Track:
         self.done = False
         self.t_last: Optional[float] = None
         self.first = True
+        self.matched = ""       # the stop string find_stop found
+        self.stop_reason: Any = None
+
+    def cut_at_stop(self, idx: int) -> None:
+        """End the text at the stop string found at idx (keeping it when the request asks)."""
+        keep = len(self.matched) if self.req.params.include_stop_str_in_output else 0
+        self.text = self.text[:idx + keep]
+        self.stop_reason = self.matched
 
     def find_stop(self) -> int:
         """Index in self.text where the earliest stop string starts, or -1."""
@@ -182,7 +191,7 @@ class _Track:
         for s in self.stops:
             i = self.text.find(s, start)
             if i >= 0 and (best < 0 or i < best):
-                best = i
+                best, self.matched = i, s
         self.checked = len(self.text)
         return best
 
@@ -495,11 +504,13 @@ class Engine:
                 lps.append(o.logprobs[i])
             final_stop_token = o.finished and reason == FinishReason.STOP.value and i == n - 1 \
                 and tid in tr.stop_ids
+            if final_stop_token and tid in (req.params.stop_token_ids or ()):
+                tr.stop_reason = tid
             if not final_stop_token:
                 tr.text += tr.detok.push(tid)
                 idx = tr.find_stop()
                 if idx >= 0:
-                    tr.text = tr.text[:idx]
+                    tr.cut_at_stop(idx)
                     stop_hit = True
                     break
         if o.error is not None or reason == FinishReason.ERROR.value:
@@ -516,7 +527,7 @@ class Engine:
                 tr.text += tail
                 idx = tr.find_stop()
                 if idx >= 0:
-                    tr.text = tr.text[:idx]
+                    tr.cut_at_stop(idx)
                     stop_hit = True
         if stop_hit:
             if not o.finished:
@@ -535,7 +546,8 @@ class Engine:
         out = EngineOutput(req_id=req.req_id, text=text, token_ids=ids, logprobs=lps, finished=finished,
                            finish_reason=reason, error=error, error_kind=error_kind,
                            prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                           cached_tokens=int(req.num_cached or 0))
+                           cached_tokens=int(req.num_cached or 0),
+                           stop_reason=tr.stop_reason if finished else None)
         if finished:
             tr.done = True
             self._tracks.pop(req.req_id, None)

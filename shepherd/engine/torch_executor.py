@@ -17,6 +17,7 @@ import torch
 from shepherd.config import EngineConfig
 from shepherd.model.llama import AttnGroup, LlamaModel, StepInput
 from shepherd.model.loader import LoadedModel, load_model, model_name_for
+from shepherd.model.grammar import GrammarMasks
 from shepherd.model.sampler import Sampler
 from shepherd.request import Request
 from shepherd.scheduler.kv_pool import pages_for
@@ -125,6 +126,7 @@ class TorchExecutor:
         self.host: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.sampler = Sampler()
+        self.sampler.grammar = GrammarMasks(self.tokenizer)
         self.reqs: dict[str, _ReqState] = {}
         self._arange = torch.arange(max(self.max_model_len, 1) + kv_block, dtype=torch.long)
         self._zeros = torch.zeros(16, dtype=torch.long)

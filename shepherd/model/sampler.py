@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from shepherd.model.constraints import apply_constraints, constrained
 from shepherd.request import Request, SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
@@ -70,9 +71,12 @@ class Sampler:
         else:
             self.global_gen.seed()
         self.generators: dict[str, torch.Generator] = {}
+        self.grammar = None   # a GrammarMasks (model/grammar.py), set by the executor that has the tokenizer
 
     def forget(self, req_id: str) -> None:
         self.generators.pop(req_id, None)
+        if self.grammar is not None:
+            self.grammar.forget(req_id)
 
     def generator_for(self, req: Request) -> torch.Generator:
         if req.params.seed is None:
@@ -88,6 +92,8 @@ class Sampler:
         """logits: [S, V] float32, one row per request in `reqs`. Returns the sampled
         token per row and, for requests with params.logprobs set, a TokenLogprob."""
         S = logits.shape[0]
+        if constrained(reqs):   # logit_bias, min_tokens, grammar masks; logprobs see them too
+            logits = apply_constraints(logits, reqs, self.grammar)
         params = [r.params for r in reqs]
         simple = all(p.temperature == 0.0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
                      and p.presence_penalty == 0.0 for p in params)

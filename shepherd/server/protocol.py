@@ -2,7 +2,8 @@
 
 Field names, defaults and ranges follow the OpenAI API; vLLM's sampling
 extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
-include_stop_str_in_output, priority) are accepted too. Unknown fields are
+include_stop_str_in_output, min_tokens, priority, structured_outputs and
+the older guided_* names) are accepted too. Unknown fields are
 ignored, as OpenAI and vLLM do. Range checks that need the model (context
 length, model name) are done by the server, not here.
 """
@@ -19,6 +20,36 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of json / regex / choice / grammar (or json_object)."""
+    model_config = ConfigDict(extra="ignore")
+    json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
 
 
 class _Sampling(BaseModel):
@@ -43,6 +74,28 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     priority: int = 0
+    logit_bias: Optional[dict[str, float]] = None    # token id (as a string, OpenAI's shape) -> bias
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and the older guided_*
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        for k, b in (v or {}).items():
+            try:
+                int(k)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {k}")
+        return v
 
     @field_validator("max_tokens")
     @classmethod
@@ -108,8 +161,8 @@ class CompletionRequest(_Sampling):
     def _checks(self):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must equal n)")
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
@@ -130,11 +183,51 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(..., min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -150,10 +243,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
-    # accepted and ignored: the model does no tool calling / structured output
-    tools: Optional[Any] = None
-    tool_choice: Optional[Any] = None
-    response_format: Optional[Any] = None
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -166,6 +258,12 @@ class ChatCompletionRequest(_Sampling):
     def _checks(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            names = {t.function.name for t in self.tools or ()}
+            if not names:
+                raise ValueError("tool_choice required / named needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
         return self
 
     @property
