@@ -113,3 +113,7 @@ class ServerConfig:
     port: int = 8000
     api_key: Optional[str] = None
     served_model_name: Optional[str] = None
+    max_body_bytes: int = 16 << 20       # larger request bodies get 413 before parsing
+    max_json_depth: int = 64             # deeper JSON bodies get 400 before parsing
+    chat_template: Optional[str] = None  # jinja text replacing the model's template (--chat-template FILE)
+    tool_call_parser: str = "hermes"     # hermes | json: how tool calls are found in the text (tool_choice auto)

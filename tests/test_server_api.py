@@ -528,14 +528,17 @@ def test_mixed_load_with_disconnects_leaves_nothing_behind(tok):
         engine.scheduler.check_integrity()
 
 
-def test_n_beyond_limits_is_429_and_releases_the_accepted_choices(tok):
+def test_never_admissible_is_400_naming_the_limit(tok):
     ex = ScriptedExecutor(tok, tok.encode(TEXT), delay=0.005)
     cfg = EngineConfig(executor="sim", scheduler=SchedulerConfig(max_concurrency=2, max_queue=8))
     engine = Engine(cfg, executor=ex, tokenizer=tok)
     with ServerThread(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 500, "ignore_eos": True, "n": 3})
-        assert r.status_code == 429 and r.headers["Retry-After"]
+        assert r.status_code == 400 and "--max-concurrency 2" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": ["x"] * 9, "max_tokens": 2})
+        assert r.status_code == 400 and "--max-concurrency" in r.json()["error"]["message"]
         wait_idle(engine, timeout=2)
         assert not engine._tracks
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "n": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
+

@@ -27,6 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("SHEPHERD_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SHEPHERD_API_KEY, else off)")
     g.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="jinja chat template replacing the model's (e.g. one that renders tools)")
+    g.add_argument("--tool-call-parser", default=ServerConfig.tool_call_parser, choices=["hermes", "json"],
+                   help="how tool calls are found in the output when tool_choice is auto")
+    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help="larger request bodies get 413 (default %(default)s)")
+    g.add_argument("--max-json-depth", type=int, default=ServerConfig.max_json_depth,
+                   help="deeper JSON request bodies get 400 (default %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     k = p.add_argument_group("KV cache and batching")
@@ -106,8 +114,19 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         raise ConfigError(f"model path {args.model!r} does not exist (expected a .gguf file or a Hugging Face "
                           "folder)")
+    template = None
+    if args.chat_template:
+        try:
+            with open(os.path.expanduser(args.chat_template), encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ConfigError(f"--chat-template: cannot read {args.chat_template!r}: {e}") from None
+    if args.max_body_bytes < 1024 or args.max_json_depth < 4:
+        raise ConfigError("--max-body-bytes must be >= 1024 and --max-json-depth >= 4")
     srv = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
-                       served_model_name=args.served_model_name)
+                       served_model_name=args.served_model_name, chat_template=template,
+                       tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_body_bytes,
+                       max_json_depth=args.max_json_depth)
     return eng, srv
 
 

@@ -1,0 +1,102 @@
+"""Pieces the API routes share: OpenAI error bodies, token strings, logprob formats."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[Union[str, int]] = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: Optional[str] = None, code: Optional[Union[str, int]] = None,
+                   headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def validation_message(errors) -> tuple[str, Optional[str]]:
+    parts, param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
+        where = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        msg = e.get("msg", "invalid value")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        parts.append(f"{where}: {msg}" if where and not msg.startswith(loc[-1]) else msg)
+    return "; ".join(parts) or "invalid request", param
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however the response ends (finished,
+    client gone before the first chunk, cancelled), so engine requests are always aborted."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class TokenStrings:
+    """Token id -> text for logprobs (cached)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        s = self.cache.get(tid)
+        if s is None:
+            try:
+                s = self.tok.decode([tid], skip_special_tokens=False)
+            except Exception:  # noqa: BLE001
+                s = ""
+            self.cache[tid] = s
+        return s
+
+
+def completion_logprobs(tokstr: TokenStrings, lps, offset0: int) -> dict:
+    tokens, tlp, tops, offs = [], [], [], []
+    off = offset0
+    for lp in lps:
+        s = tokstr(lp.token_id)
+        tokens.append(s)
+        tlp.append(float(lp.logprob))
+        tops.append({tokstr(t): float(v) for t, v in lp.top} if lp.top else None)
+        offs.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": tlp, "top_logprobs": tops, "text_offset": offs}
+
+
+def chat_logprobs(tokstr: TokenStrings, lps) -> dict:
+    content = []
+    for lp in lps:
+        s = tokstr(lp.token_id)
+        content.append({"token": s, "logprob": float(lp.logprob), "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": tokstr(t), "logprob": float(v),
+                                          "bytes": list(tokstr(t).encode("utf-8"))} for t, v in lp.top]})
+    return {"content": content}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,128 @@
+"""The server's side of the engine: submit a request's choices all or nothing, merge
+their streams, stop waiting when the client disconnects, collect whole answers."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+
+from shepherd.engine.engine import EngineDeadError, EngineOutput, QueueFull, RequestRejected, RequestStream
+from shepherd.server.common import APIError, error_body
+
+
+def release(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
+
+
+async def submit_all(engine, jobs: list, client: str, priority: int, prefix: str) -> list[RequestStream]:
+    """jobs: (prompt ids, SamplingParams) per choice, handed over in one go; all or nothing."""
+    streams: list[RequestStream] = []
+    try:
+        for k, (ids, params) in enumerate(jobs):
+            streams.append(engine.submit(ids, params, req_id=f"{prefix}-{k}", client=client, priority=priority))
+        results = await asyncio.gather(*(s.wait_admitted() for s in streams), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            # the most telling error: a full queue (retry later) before a rejection
+            raise next((e for e in errors if isinstance(e, QueueFull)), errors[0])
+    except BaseException as e:
+        release(streams)
+        if isinstance(e, QueueFull):
+            ra = max(1, int(math.ceil(getattr(e, "retry_after", 1.0) or 1.0)))
+            raise APIError(429, f"Server busy: {e}", "rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(ra)}) from None
+        if isinstance(e, RequestRejected):
+            raise APIError(400, str(e), code="request_rejected") from None
+        if isinstance(e, EngineDeadError):
+            raise APIError(503, f"Engine unavailable: {e}", "server_error", code="engine_dead") from None
+        raise
+    return streams
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, EngineOutput]]:
+    """Interleave several request streams; yields (choice index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream):
+        async for out in s:
+            q.put_nowait((i, out))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, out = await q.get()
+            if out.finished:
+                remaining -= 1
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def until_disconnect(request: Request, coro):
+    """Run `coro`; if the client disconnects first, cancel it (its finally aborts) and return None."""
+    task = asyncio.create_task(coro)
+
+    async def watch():
+        while True:
+            msg = await request.receive()
+            if msg.get("type") == "http.disconnect":
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001
+            pass
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def raise_output_error(out: EngineOutput):
+    if out.error_kind == "engine":
+        raise APIError(500, out.error or "engine error", "server_error", code="engine_error")
+    raise APIError(400, out.error or "request failed", code="request_failed")
+
+
+def stream_error_chunk(out: EngineOutput) -> str:
+    if out.error_kind == "engine":
+        body = error_body(out.error or "engine error", "server_error", code=500)
+    else:
+        body = error_body(out.error or "request failed", "invalid_request_error", code=400)
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def collect(streams: list[RequestStream]):
+    """Non-streaming answer: each choice's whole text, logprobs and terminal output."""
+    n = len(streams)
+    texts = [""] * n
+    lps: list[list] = [[] for _ in range(n)]
+    final: list[Optional[EngineOutput]] = [None] * n
+    try:
+        async for i, out in merged(streams):
+            if out.error is not None:
+                raise_output_error(out)
+            texts[i] += out.text
+            lps[i].extend(out.logprobs)
+            if out.finished:
+                final[i] = out
+    finally:
+        release(streams)
+    return texts, lps, final
