@@ -111,8 +111,8 @@ def tool_grammar(body) -> Optional[tuple[str, str]]:
                 "required": ["name", "arguments"]} for t in body.tools]
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
                                   "items": one[0] if len(one) == 1 else {"anyOf": one}}
-        if not body.parallel_tool_calls:
-            schema["maxItems"] = 1
+        # one call per tool at most: small models otherwise repeat a call until max_tokens
+        schema["maxItems"] = len(one) if body.parallel_tool_calls else 1
         return ("json_schema", json.dumps(schema))
     return None
 

@@ -1,0 +1,175 @@
+"""Grammar masks, logit constraints, tool-call parsing and the body guard, without a model:
+the real tokenizer and xgrammar, random logits standing in for the model."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from shepherd.model.constraints import apply_constraints
+from shepherd.model.grammar import GrammarCompiler, GrammarError, GrammarMasks, check_schema
+from shepherd.model.loader import load_tokenizer
+from shepherd.model.sampler import Sampler
+from shepherd.request import Request, SamplingParams
+from shepherd.server import tools
+from shepherd.server.guard import body_problem
+from shepherd.server.protocol import ChatCompletionRequest
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"kind": {"enum": ["a", "b"]},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                               "maxItems": 3}},
+     "required": ["kind", "tags"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+def _req(rid, tok, **kw):
+    return Request(req_id=rid, prompt_ids=[1], params=SamplingParams(temperature=0.0, **kw),
+                   eos_token_ids=tuple(tok.eos_token_ids))
+
+
+def _run(sampler, reqs, vocab, steps, seed=0):
+    """Greedy decoding over random logits until every request emitted EOS (or `steps`)."""
+    g = torch.Generator().manual_seed(seed)
+    live = list(reqs)
+    for _ in range(steps):
+        if not any(r.params.grammar is not None for r in live):
+            break
+        logits = torch.randn(len(live), vocab, generator=g) * 5
+        toks, _ = sampler.sample(logits, live)
+        for r, t in zip(live, toks):
+            r.output_ids.append(t)
+        live = [r for r in live if r.output_ids[-1] not in r.eos_token_ids]
+    return reqs
+
+
+def test_json_schema_masks_make_random_logits_valid_beside_a_free_request(tok):
+    sampler = Sampler()
+    sampler.grammar = GrammarMasks(tok)
+    for k, schema in enumerate(SCHEMAS):
+        cons = _req(f"c{k}", tok, grammar=("json_schema", json.dumps(schema)))
+        free = _req(f"f{k}", tok)
+        _run(sampler, [cons, free], tok.vocab_size, 300, seed=k)
+        assert cons.output_ids[-1] in tok.eos_token_ids
+        jsonschema.validate(json.loads(tok.decode(cons.output_ids[:-1])), schema)
+        # the free row was never masked: random text, not JSON
+        assert not tok.decode(free.output_ids).lstrip().startswith(("{", "["))
+
+
+@pytest.mark.parametrize("spec,check", [
+    (("regex", r"[a-c]{3}-\d\d"), lambda s: len(s) == 6 and s[3] == "-" and s[4:].isdigit()),
+    (("choice", json.dumps(["yes", "no", "maybe"])), lambda s: s in ("yes", "no", "maybe")),
+    (("ebnf", 'root ::= "x" ("y" | "z")'), lambda s: s in ("xy", "xz")),
+    (("json_object", ""), lambda s: s.startswith('{"')),   # random logits never close a string
+])
+def test_regex_choice_ebnf_json_object(tok, spec, check):
+    sampler = Sampler()
+    sampler.grammar = GrammarMasks(tok)
+    r = _run(sampler, [_req("r", tok, grammar=spec)], tok.vocab_size, 40)[0]
+    out = r.output_ids[:-1] if r.output_ids[-1] in tok.eos_token_ids else r.output_ids
+    assert check(tok.decode(out)), tok.decode(r.output_ids)
+
+
+def test_matcher_state_is_rebuilt_from_tokens_after_rollback_and_on_a_fresh_executor(tok):
+    spec = ("json_schema", json.dumps(SCHEMAS[0]))
+    a = GrammarMasks(tok)
+    r = _run_partial = _req("p", tok, grammar=spec)
+    sampler = Sampler()
+    sampler.grammar = a
+    _run(sampler, [r], tok.vocab_size, 6)
+    prefix = list(r.output_ids)
+    logits = torch.randn(1, tok.vocab_size)
+    masked_a = logits.clone()
+    a.apply(masked_a, [r])
+    # a fresh hook (a restarted executor) sees only the tokens and masks the same way
+    b = GrammarMasks(tok)
+    masked_b = logits.clone()
+    b.apply(masked_b, [r])
+    assert torch.equal(torch.isinf(masked_a), torch.isinf(masked_b))
+    # recompute preemption: tokens rolled back, then regenerated
+    r.output_ids = prefix[:2]
+    rolled = logits.clone()
+    a.apply(rolled, [r])
+    fresh = logits.clone()
+    GrammarMasks(tok).apply(fresh, [_run_partial])
+    assert torch.equal(torch.isinf(rolled), torch.isinf(fresh))
+
+
+def test_unsupported_schema_constructs_are_named(tok):
+    with pytest.raises(GrammarError, match="'not'"):
+        check_schema({"type": "object", "properties": {"a": {"not": {"type": "string"}}}})
+    with pytest.raises(GrammarError, match=r"\$ref"):
+        check_schema({"$ref": "http://example.com/s.json"})
+    check_schema({"type": "object", "properties": {"not": {"type": "string"}}})   # a property named "not"
+    c = GrammarCompiler(tok)
+    with pytest.raises(GrammarError, match="banana"):
+        c.compile(("json_schema", '{"type": "banana"}'))
+    with pytest.raises(GrammarError):
+        c.compile(("regex", "[a-"))
+
+
+def test_logit_bias_and_min_tokens(tok):
+    eos = tok.eos_token_ids[0]
+    logits = torch.zeros(2, tok.vocab_size)
+    logits[:, eos] = 10.0
+    r1 = _req("a", tok, logit_bias={42: 100.0})
+    r2 = _req("b", tok, min_tokens=2)
+    out = apply_constraints(logits, [r1, r2], None)
+    assert int(out[0].argmax()) == 42
+    assert out[1, eos] == float("-inf") and torch.equal(logits[1, :eos], out[1, :eos])
+    r2.output_ids = [5, 6]
+    assert apply_constraints(logits, [r2], None)[0, eos] == 10.0
+
+
+def _chat(**kw):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], **kw})
+
+
+def test_tool_output_parsers():
+    body = _chat()
+    content, calls = tools.parse_output(
+        'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', body, "hermes")
+    assert content == "Sure." and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    content, calls = tools.parse_output('{"name": "get_weather", "parameters": {"city": "Rome"}}', body, "json")
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+    assert tools.parse_output('{"name": "other", "arguments": {}}', body, "json") == (
+        '{"name": "other", "arguments": {}}', [])
+    named = _chat(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert tools.tool_grammar(named)[0] == "json_schema"
+    _, calls = tools.parse_output('{"city": "Oslo"}', named, "hermes")
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+def test_tool_history_round_trips_into_the_prompt(tok):
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})
+    msgs, extra = tools.render_messages(body, tools.template_takes_tools(tok.chat_template))
+    text = tok.apply_chat_template(msgs, **extra)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text and "<tools>" in text
+
+
+def test_body_guard_finds_depth_and_lone_surrogates():
+    deep = json.loads("[" * 70 + "]" * 70)
+    assert "nested deeper than 64" in body_problem(deep, 64)
+    assert "surrogate" in body_problem(json.loads('{"messages": [{"content": "a\\ud800b"}]}'), 64)
+    assert "surrogate" in body_problem(json.loads('{"a\\udfff": 1}'), 64)
+    assert body_problem({"prompt": "fine \u00e9"}, 64) is None
