@@ -45,12 +45,13 @@ from typing import Optional
 from urllib.parse import parse_qs
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shepherd.gateway.backends import Backend, BackendPool, normalize_url
+from shepherd.gateway.gw_metrics import GatewayMetrics
 from shepherd.gateway.http1 import Http1Pool, Response, UpstreamError
+from shepherd.gateway.intake import _BadRequest, _Disconnected, _send_json, error_body, route_request_from
 from shepherd.gateway.routing import NoReplicaAvailable, RouteRequest, RoutingPolicy
 
 log = logging.getLogger("shepherd.gateway")
@@ -78,145 +79,6 @@ class GatewayConfig:
     max_body_bytes: int = 32 << 20
     models_timeout: float = 5.0
     backend_header: bool = True      # add x-shepherd-backend to responses
-
-
-class GatewayMetrics:
-    def __init__(self, gw: "Gateway", registry: Optional[CollectorRegistry] = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("shepherd_gateway_requests", "Requests answered, by backend and status",
-                                ["backend", "status"], registry=r)
-        self.decisions = Counter("shepherd_gateway_routing_decisions",
-                                 "Routing decisions by policy and reason", ["policy", "reason"], registry=r)
-        self.retries = Counter("shepherd_gateway_retries", "Requests retried on another replica, by cause",
-                               ["reason"], registry=r)
-        self.errors = Counter("shepherd_gateway_errors",
-                              "Requests that did not end normally, by kind "
-                              "(client_abort, stream_error, no_backend, upstream, bad_request)",
-                              ["kind"], registry=r)
-        self.ejections = Counter("shepherd_gateway_backend_ejections", "Backends ejected as unhealthy",
-                                 ["backend"], registry=r)
-        r.register(_PoolCollector(gw))
-
-
-class _PoolCollector:
-    """Per-backend gauges read from the pool when /metrics is scraped."""
-
-    def __init__(self, gw: "Gateway") -> None:
-        self.gw = gw
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        inflight = GaugeMetricFamily("shepherd_gateway_in_flight", "Requests in flight per backend",
-                                     labels=["backend"])
-        healthy = GaugeMetricFamily("shepherd_gateway_backend_healthy", "1 if the backend takes traffic",
-                                    labels=["backend"])
-        running = GaugeMetricFamily("shepherd_gateway_backend_running", "Scraped running requests",
-                                    labels=["backend"])
-        waiting = GaugeMetricFamily("shepherd_gateway_backend_waiting", "Scraped waiting requests",
-                                    labels=["backend"])
-        kv = GaugeMetricFamily("shepherd_gateway_backend_kv_usage", "Scraped KV-cache use (0..1)",
-                               labels=["backend"])
-        for b in self.gw.pool.backends():
-            s = b.state
-            inflight.add_metric([b.url], s.in_flight)
-            healthy.add_metric([b.url], 1.0 if s.healthy else 0.0)
-            running.add_metric([b.url], s.running)
-            waiting.add_metric([b.url], s.waiting)
-            kv.add_metric([b.url], s.kv_usage)
-        total = GaugeMetricFamily("shepherd_gateway_in_flight_total", "Requests in flight through the gateway")
-        total.add_metric([], self.gw.in_flight)
-        return [inflight, healthy, running, waiting, kv, total]
-
-
-def error_body(message: str, type_: str = "invalid_request_error", code=None, param=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-async def _send_json(send, status: int, obj, headers: Optional[list] = None) -> None:
-    data = json.dumps(obj).encode()
-    h = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    if headers:
-        h.extend(headers)
-    await send({"type": "http.response.start", "status": status, "headers": h})
-    await send({"type": "http.response.body", "body": data, "more_body": False})
-
-
-class _BadRequest(Exception):
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
-
-
-class _Disconnected(Exception):
-    pass
-
-
-def _flatten_content(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):          # [{"type": "text", "text": ...}, ...]
-        out = []
-        for part in content:
-            if isinstance(part, dict):
-                t = part.get("text")
-                if isinstance(t, str):
-                    out.append(t)
-            elif isinstance(part, str):
-                out.append(part)
-        return "".join(out)
-    return str(content)
-
-
-def route_request_from(payload: dict, chat: bool, headers: dict, now: float) -> RouteRequest:
-    """What the routing policy sees of a request; raises _BadRequest on bad input."""
-    token_ids = None
-    if chat:
-        msgs = payload.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise _BadRequest("'messages' must be a non-empty list", "messages")
-        parts = []
-        for m in msgs:
-            if not isinstance(m, dict):
-                raise _BadRequest("each message must be an object", "messages")
-            parts.append(f"<|{m.get('role', '')}|>{_flatten_content(m.get('content'))}\n")
-        text = "".join(parts)
-    else:
-        if "prompt" not in payload:
-            raise _BadRequest("'prompt' is required", "prompt")
-        prompt = payload["prompt"]
-        if isinstance(prompt, str):
-            text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool)
-                                                         for x in prompt):
-            token_ids = prompt
-            text = " ".join(map(str, prompt))
-        elif isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
-            text = prompt[0]           # route a batch by its first prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
-            token_ids = prompt[0] if all(isinstance(t, int) for t in prompt[0]) else None
-            text = " ".join(map(str, prompt[0]))
-        else:
-            raise _BadRequest("'prompt' must be a string, a list of strings, or token ids", "prompt")
-    # lone surrogates (legal in JSON, not in UTF-8) would break the policies' hashing; the
-    # replica answers such a request with a 400, the gateway only needs something to route on
-    text = text.encode("utf-8", "replace").decode("utf-8")
-    stream = payload.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise _BadRequest("'stream' must be a boolean", "stream")
-    user = payload.get("user")
-    if user is not None and not isinstance(user, str):
-        raise _BadRequest("'user' must be a string", "user")
-    user = user or headers.get("x-client-id") or None
-    mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
-    return RouteRequest(
-        text=text, token_ids=token_ids, user=user, session=headers.get("x-session-id"),
-        headers=headers, input_tokens=len(token_ids) if token_ids else max(1, len(text) // 4),
-        now=now, max_tokens=mt if isinstance(mt, int) and not isinstance(mt, bool) else 0)
 
 
 class Gateway:
@@ -576,24 +438,14 @@ class Gateway:
                     return False, f"{e.kind}: {e} before the first chunk ({backend.url})", None
                 await send({"type": "http.response.start", "status": status,
                             "headers": self._resp_headers(resp, backend)})
-                count = self._count_output
                 if first:
-                    if count:
+                    if self._count_output:
                         out_tokens += first.count(b"data: ")
                     await send({"type": "http.response.body", "body": first, "more_body": True})
-                try:
-                    async for chunk in it:
-                        if count:
-                            out_tokens += chunk.count(b"data: ")
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except UpstreamError as e:
-                    # after the first byte: tell the client in-band and end the stream
-                    pool.record_failure(backend, f"{e.kind}: {e} mid-stream")
-                    m.errors.labels("stream_error").inc()
+                relayed, broken = await self._relay_rest(send, it, backend)
+                out_tokens += relayed
+                if broken:
                     status_label = "stream_error"
-                    ev = error_body(f"backend {backend.url} failed mid-stream: {e}", "upstream_error", 502)
-                    await send({"type": "http.response.body",
-                                "body": b"data: " + json.dumps(ev).encode() + b"\n\n", "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return True, "", None
             finally:
@@ -605,6 +457,25 @@ class Gateway:
                 self.policy.on_finish(rr, state, max(0, out_tokens - 1) if out_tokens else out_tokens)
             except Exception:          # pragma: no cover - a policy bug must not leak in-flight
                 log.exception("policy.on_finish")
+
+
+    async def _relay_rest(self, send, it, backend: Backend) -> tuple[int, bool]:
+        """Relay a stream after its first chunk: (data events seen, whether the backend broke it).
+        After the first byte a failure is told in-band, with one SSE error event."""
+        count, n = self._count_output, 0
+        try:
+            async for chunk in it:
+                if count:
+                    n += chunk.count(b"data: ")
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as e:
+            self.pool.record_failure(backend, f"{e.kind}: {e} mid-stream")
+            self.metrics.errors.labels("stream_error").inc()
+            ev = error_body(f"backend {backend.url} failed mid-stream: {e}", "upstream_error", 502)
+            await send({"type": "http.response.body",
+                        "body": b"data: " + json.dumps(ev).encode() + b"\n\n", "more_body": True})
+            return n, True
+        return n, False
 
 
 def _usage_tokens(data: bytes) -> int:
