@@ -169,21 +169,27 @@ class GrammarMasks:
         rows = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
         if not rows:
             return
-        V = logits.shape[-1]
+        S, V = logits.shape
         if self.compiler is None:
             self.compiler = GrammarCompiler(self.tokenizer, vocab_size=V)
         xgr = self.compiler._xgr
-        bitmask = xgr.allocate_token_bitmask(len(rows), V)
-        done = []
-        for j, i in enumerate(rows):
+        bitmask = xgr.allocate_token_bitmask(S, V)
+        live, done = [], []
+        for i in rows:
             m = self._sync(reqs[i])
             if m.is_terminated():
                 done.append(i)          # complete: only a stop token may follow
             else:
-                m.fill_next_token_bitmask(bitmask, j)
-        sub = logits[rows].float()
-        xgr.apply_token_bitmask_inplace(sub, bitmask)
-        logits[rows] = sub.to(logits.dtype)
+                m.fill_next_token_bitmask(bitmask, i)
+                live.append(i)
+        if live:
+            bitmask = bitmask.to(logits.device)
+            if logits.dtype == torch.float32 and logits.is_contiguous():
+                xgr.apply_token_bitmask_inplace(logits, bitmask, indices=live)
+            else:
+                sub = logits.float()
+                xgr.apply_token_bitmask_inplace(sub, bitmask, indices=live)
+                logits.copy_(sub.to(logits.dtype))
         for i in done:
             eos = [t for t in reqs[i].eos_token_ids if t < V]
             keep = logits[i, eos].clone()
