@@ -173,3 +173,32 @@ def test_body_guard_finds_depth_and_lone_surrogates():
     assert "surrogate" in body_problem(json.loads('{"messages": [{"content": "a\\ud800b"}]}'), 64)
     assert "surrogate" in body_problem(json.loads('{"a\\udfff": 1}'), 64)
     assert body_problem({"prompt": "fine \u00e9"}, 64) is None
+
+
+TOOLS_TEMPLATE = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+                  "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+                  "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }}{% endfor %}\n{% endfor %}")
+
+
+def test_chat_template_flag_renders_tools_natively(tmp_path, tok):
+    import argparse
+
+    from shepherd.server import serve_cli
+    f = tmp_path / "tools.jinja"
+    f.write_text(TOOLS_TEMPLATE)
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    _, srv = serve_cli.build_configs(p.parse_args(["--chat-template", str(f), "--tool-call-parser", "json"]))
+    assert srv.chat_template == TOOLS_TEMPLATE and srv.tool_call_parser == "json"
+    with pytest.raises(serve_cli.ConfigError, match="--chat-template"):
+        serve_cli.build_configs(p.parse_args(["--chat-template", str(tmp_path / "missing.jinja")]))
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather"}}]})
+    assert tools.template_takes_tools(TOOLS_TEMPLATE)
+    msgs, extra = tools.render_messages(body, True)
+    from jinja2 import Template
+    text = Template(TOOLS_TEMPLATE).render(messages=msgs, **extra)
+    assert text.startswith("TOOLS:get_weather;") and "CALL get_weather" in text and "[tool]sunny" in text
