@@ -191,6 +191,26 @@ def test_bad_input(oc, model):
     assert r.choices[0].text is not None
 
 
+@pytest.mark.skipif(EXECUTOR == "sim", reason="the simulated executor applies no grammar")
+def test_structured_output_and_tool_call_through_a_real_server(oc, model):
+    import json
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour"],
+              "properties": {"colour": {"enum": ["red", "green", "blue"]}}}
+    r = oc.chat.completions.create(model=model, messages=[{"role": "user", "content": "Pick a colour."}],
+                                   max_tokens=20, temperature=0,
+                                   response_format={"type": "json_schema",
+                                                    "json_schema": {"name": "c", "schema": schema}})
+    assert json.loads(r.choices[0].message.content)["colour"] in ("red", "green", "blue")
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["a", "b"],
+        "properties": {"a": {"type": "integer", "maximum": 999}, "b": {"type": "integer", "maximum": 999}}}}}
+    r = oc.chat.completions.create(model=model, messages=[{"role": "user", "content": "Add 2 and 3."}],
+                                   tools=[tool], tool_choice="required", max_tokens=40, temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "add"
+    assert set(json.loads(call.function.arguments)) == {"a", "b"}
+
+
 def test_disconnect_mid_stream_frees_everything(server, oc, model):
     url, proc, _ = server
     idle_kv = metric(url, "vllm:kv_cache_usage_perc")
