@@ -22,10 +22,13 @@ see docs/SERVING.md for the measurement at 1 and 64 streams.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any, Optional, Sequence
 
 import torch
+
+log = logging.getLogger("shepherd.grammar")
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 
@@ -176,7 +179,13 @@ class GrammarMasks:
         bitmask = xgr.allocate_token_bitmask(S, V)
         live, done = [], []
         for i in rows:
-            m = self._sync(reqs[i])
+            try:
+                m = self._sync(reqs[i])
+            except GrammarError:
+                # the server compiled this spec before queueing it, so this is a bug; one request
+                # going unconstrained is better than an engine thread that dies with every request
+                log.exception("grammar of %s failed on the executor; left unconstrained", reqs[i].req_id)
+                continue
             if m.is_terminated():
                 done.append(i)          # complete: only a stop token may follow
             else:
