@@ -141,3 +141,16 @@ def test_schemathesis_finds_no_5xx(cluster):
     assert not failures, failures[:3]
     assert len(statuses) >= 200 and 200 in statuses and 400 in statuses   # it did reach the handlers
     assert httpx.post(reps[0].url + "/v1/completions", json=OK, timeout=30).status_code == 200
+
+
+def test_tokenize_detokenize_version(cluster):
+    url = cluster[0][0].url
+    t = httpx.post(url + "/tokenize", json={"prompt": "Round trip ✓ text", "return_token_strs": True}).json()
+    assert t["count"] == len(t["tokens"]) == len(t["token_strs"]) and t["max_model_len"] > 0
+    assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "Round trip ✓ text"}
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > t["count"] // 2 and "im_start" in httpx.post(
+        url + "/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert httpx.post(url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert httpx.post(url + "/tokenize", json={"prompt": "a", "messages": [{"role": "user"}]}).status_code == 400
+    assert httpx.get(url + "/version").json()["version"]

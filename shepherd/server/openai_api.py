@@ -26,7 +26,6 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -257,9 +256,5 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
         ctx.check(request, body)
         return await chat.handle(request, body, f"chatcmpl-{uuid.uuid4().hex}")
 
-    def render_plain(messages, add_generation_prompt: bool) -> str:
-        return ctx.render_chat(SimpleNamespace(messages=messages, tools=None, tool_choice=None,
-                                               add_generation_prompt=add_generation_prompt))
-
-    add_tokenize_routes(app, ctx.tok, ctx.ctx_len, ctx.check, render_plain)
+    add_tokenize_routes(app, ctx)
     return app

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Callable
+from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 
@@ -17,19 +17,21 @@ def shepherd_version() -> str:
         return "0.1.0"
 
 
-def add_tokenize_routes(app: FastAPI, tok, max_model_len: int, check: Callable, render_chat: Callable) -> None:
-    """check(request, body) authenticates and checks the model; render_chat(messages) -> text."""
+def add_tokenize_routes(app: FastAPI, ctx) -> None:
+    """ctx: the server's ApiContext (tok, ctx_len, check, encode, render_chat)."""
+    tok, check = ctx.tok, ctx.check
 
     @app.post("/tokenize")
     async def tokenize(request: Request, body: TokenizeRequest):
         check(request, body)
         if body.messages is not None:
-            text = render_chat(body.messages, body.add_generation_prompt)
+            text = ctx.render_chat(SimpleNamespace(messages=body.messages, tools=None, tool_choice=None,
+                                                   add_generation_prompt=body.add_generation_prompt))
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
-        ids = tok.encode(text, add_special_tokens=special)
-        out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+        ids = await ctx.encode(text, special)
+        out = {"count": len(ids), "max_model_len": ctx.ctx_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
             out["token_strs"] = [tok.id_to_token(i) for i in ids]
         return out
