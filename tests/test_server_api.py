@@ -224,6 +224,25 @@ def test_stop_strings_spanning_tokens(client):
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_stop_reason_include_stop_str_and_echo(client, tok):
+    b = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 100, "stop": ["world, th"],
+                                             "include_stop_str_in_output": True}).json()
+    c = b["choices"][0]
+    assert c["text"] == "Hello world, th" and c["stop_reason"] == "world, th" and c["finish_reason"] == "stop"
+    stop_id = tok.encode(TEXT)[3]
+    b = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 100, "stop_token_ids": [stop_id]}).json()
+    assert b["choices"][0]["stop_reason"] == stop_id
+    b = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4}).json()
+    assert b["choices"][0]["stop_reason"] is None and b["choices"][0]["finish_reason"] == "length"
+    b = client.post("/v1/completions", json={"prompt": "Echo me", "max_tokens": 2, "echo": True}).json()
+    assert b["choices"][0]["text"].startswith("Echo me")
+    with client.stream("POST", "/v1/completions", json={"prompt": "Echo me", "max_tokens": 2, "echo": True,
+                                                        "stream": True}) as r:
+        events = sse_events(r.read().decode())
+    assert events[0]["choices"][0]["text"] == "Echo me"
+    assert "".join(e["choices"][0]["text"] for e in events) == b["choices"][0]["text"]
+
+
 def test_logprobs_formats(client):
     b = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "logprobs": 2}).json()
     lp = b["choices"][0]["logprobs"]
