@@ -21,7 +21,8 @@ def apply_constraints(logits: torch.Tensor, reqs: Sequence, grammar: Optional[ob
         if p.logit_bias:
             ids = [t for t in p.logit_bias if 0 <= t < V]
             if ids:
-                logits[i, ids] += torch.tensor([float(p.logit_bias[t]) for t in ids], dtype=logits.dtype)
+                logits[i, ids] += torch.tensor([float(p.logit_bias[t]) for t in ids], dtype=logits.dtype,
+                                            device=logits.device)
         if p.min_tokens and len(r.output_ids) < p.min_tokens:
             stops = set(p.stop_token_ids or ())
             if not p.ignore_eos:
