@@ -128,6 +128,17 @@ def test_named_and_required_tool_calls_validate_and_stream_the_same_call(served)
         stream = await oc.chat.completions.create(model=engine.model_name, messages=msgs, tools=[WEATHER, TIME],
                                                   tool_choice="required", max_tokens=80, temperature=0,
                                                   stream=True)
+        parts, reasons = await reassemble(stream)
+        named_stream = await oc.chat.completions.create(
+            model=engine.model_name, messages=msgs, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True)
+        named_parts, named_reasons = await reassemble(named_stream)
+        assert named_reasons[-1] == "tool_calls"
+        assert [(p["name"], json.loads(p["arguments"])) for p in named_parts.values()] == \
+            [("get_weather", json.loads(named.choices[0].message.tool_calls[0].function.arguments))]
+        return named, required, parts, reasons
+
+    async def reassemble(stream):
         parts, reasons = {}, []
         async for ch in stream:
             for c in ch.choices:
@@ -136,7 +147,7 @@ def test_named_and_required_tool_calls_validate_and_stream_the_same_call(served)
                     p = parts.setdefault(tc.index, {"name": "", "arguments": ""})
                     p["name"] += (tc.function.name or "") if tc.function else ""
                     p["arguments"] += (tc.function.arguments or "") if tc.function else ""
-        return named, required, parts, reasons
+        return parts, reasons
 
     named, required, parts, reasons = run(served, go())
     params = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}

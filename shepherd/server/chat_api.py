@@ -1,9 +1,10 @@
 """POST /v1/chat/completions: the chat template, tools, n choices, stream or not.
 
-With tools in play (tool_choice auto / required / named) a choice's text is
-parsed into tool calls once it is complete, so a streamed answer sends its
-content or its tool-call deltas at the end, in OpenAI's chunk shapes
-(one delta per call: index, id, type, function name and arguments)."""
+With tool_choice auto / required a choice's text is parsed into tool calls
+once it is complete, so a streamed answer sends its content or its
+tool-call deltas at the end, in OpenAI's chunk shapes (one delta per call:
+index, id, type, function name and arguments). A named choice's text is
+the call's arguments, streamed as argument deltas as it is generated."""
 from __future__ import annotations
 
 import json
@@ -77,6 +78,19 @@ class ChatRoutes:
                               "finish_reason": None})
         return deltas + [end]
 
+    @staticmethod
+    def named_delta(body, i: int, call_id: str, first: bool, out) -> dict:
+        """One streamed piece of a named tool call: the first names the call, the rest add arguments."""
+        fn = {"arguments": out.text}
+        call = {"index": 0, "function": fn}
+        if first:
+            fn["name"] = body.tool_choice.function.name
+            call.update(id=call_id, type="function")
+        reason = None
+        if out.finished:
+            reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+        return {"index": i, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": reason}
+
     async def stream(self, body: ChatCompletionRequest, streams, meta: dict):
         ctx, n = self.ctx, len(streams)
         include_usage, logprobs = body.include_usage, meta["logprobs"]
@@ -89,6 +103,9 @@ class ChatRoutes:
                 c["usage"] = usage
             return f"data: {json.dumps(c)}\n\n"
 
+        named = tools.choice_mode(body) == "named"
+        hold = hold and not named       # a named call's text is its arguments: streamed as they come
+        call_ids = [tools.new_call_id() for _ in range(n)] if named else []
         comp, cached, held = [0] * n, [0] * n, [""] * n
         try:
             for i in range(n):
@@ -106,6 +123,10 @@ class ChatRoutes:
                             yield chunk([d])
                     continue
                 if not out.text and not out.finished and not out.logprobs:
+                    continue
+                if named:
+                    yield chunk([self.named_delta(body, i, call_ids[i], held[i] == "", out)])
+                    held[i] += out.text
                     continue
                 delta = {"content": out.text} if (out.text or not out.finished) else {}
                 yield chunk([{"index": i, "delta": delta,

@@ -117,10 +117,14 @@ def tool_grammar(body) -> Optional[tuple[str, str]]:
     return None
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, args: Any) -> dict:
     if not isinstance(args, str):
         args = json.dumps(args if args is not None else {})
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": new_call_id(), "type": "function",
             "function": {"name": name, "arguments": args}}
 
 
