@@ -38,8 +38,6 @@ LAYERS = {
 MODULE_ALLOWLIST = {
     "shepherd/bench/loadgen.py",        # bench helper
     "shepherd/engine/engine.py",        # engine-process helper
-    "shepherd/gateway/app.py",          # API helper
-    "shepherd/server/openai_api.py",    # API helper
     "shepherd/sim/cost_model.py",       # sim helper
     "shepherd/sim/simulator.py",        # sim helper
 }
@@ -52,8 +50,6 @@ FUNCTION_ALLOWLIST = {
     "shepherd/bench/report.py:write_report",                    # bench helper
     "shepherd/engine/offline.py:run_offline",                   # engine-process helper
     "shepherd/engine/torch_executor.py:TorchExecutor.build_input",  # engine-process helper
-    "shepherd/gateway/app.py:Gateway._attempt",                 # API helper
-    "shepherd/server/openai_api.py:build_app",                  # API helper
 }
 
 # Upward imports ("path -> module"), owned by work in flight.
