@@ -541,9 +541,9 @@ def test_mixed_load_with_disconnects_leaves_nothing_behind(tok):
         st = wait_idle(engine, timeout=10)
         assert st.kv_free + st.kv_evictable == st.kv_capacity
         t0 = time.monotonic()
-        while engine._tracks and time.monotonic() - t0 < 5:
+        while engine.outputs.tracks and time.monotonic() - t0 < 5:
             time.sleep(0.01)
-        assert not engine._tracks
+        assert not engine.outputs.tracks
         engine.scheduler.check_integrity()
 
 
@@ -557,7 +557,7 @@ def test_never_admissible_is_400_naming_the_limit(tok):
         r = c.post("/v1/completions", json={"prompt": ["x"] * 9, "max_tokens": 2})
         assert r.status_code == 400 and "--max-concurrency" in r.json()["error"]["message"]
         wait_idle(engine, timeout=2)
-        assert not engine._tracks
+        assert not engine.outputs.tracks
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "n": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
