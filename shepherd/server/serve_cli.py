@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Optional
 
 from shepherd.config import (ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, ConfigError, EngineConfig,
                              SchedulerConfig, ServerConfig)
@@ -66,7 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=d.batch_invariant,
                    help="every op reduces a row the same way whatever the batch (default on)")
     m.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
-    m.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads of the engine core (default: one per CPU of --cpu-bind, else per CPU)")
+    m.add_argument("--cpu-bind", default=None, metavar="LIST",
+                   help="CPUs the engine-core process is bound to, e.g. 0-1 or 0,2 (default: all; "
+                        "docs/SERVING.md has the measurement behind the defaults)")
+    m.add_argument("--engine-core", choices=["process", "thread"], default="process",
+                   help="process: scheduler + executor in a process of their own (default); "
+                        "thread: in a thread of the server process")
     m.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
                    help="seconds one engine step may take before the process dumps stacks and exits "
                         "(default %(default)s)")
@@ -74,6 +82,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode log line cadence in steps")
     m.add_argument("--executor", choices=["torch", "sim"], default=d.executor,
                    help="torch: the real model; sim: simulated executor with the real tokenizer")
+
+
+def parse_cpu_list(text: Optional[str]) -> Optional[list[int]]:
+    """'0-1,3' -> [0, 1, 3]; None -> None. Raises ConfigError on a malformed list or an unknown CPU."""
+    if text is None or not str(text).strip():
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in str(text).split(","):
+            a, _, b = part.strip().partition("-")
+            lo, hi = int(a), int(b or a)
+            if lo < 0 or hi < lo:
+                raise ValueError(part)
+            cpus.update(range(lo, hi + 1))
+    except ValueError:
+        raise ConfigError(f"--cpu-bind must be a CPU list like 0-1 or 0,2, got {text!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ConfigError(f"--cpu-bind {text!r}: CPUs {sorted(cpus - allowed)} are not available "
+                          f"(this process may use {sorted(allowed)})")
+    return sorted(cpus)
 
 
 def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
@@ -109,6 +138,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         raise ConfigError(f"--num-threads must be >= 1, got {eng.num_threads}")
     if eng.log_every_steps < 1:
         raise ConfigError(f"--log-every-steps must be >= 1, got {eng.log_every_steps}")
+    parse_cpu_list(args.cpu_bind)
     if not (0 <= args.port <= 65535):
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
@@ -130,6 +160,17 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     return eng, srv
 
 
+def build_engine(args, eng_cfg: EngineConfig):
+    """The engine behind the server: the core in its own process (default) or in a thread."""
+    if args.engine_core == "process":
+        from shepherd.engine.core_client import CoreProcessEngine
+        return CoreProcessEngine(eng_cfg, cpus=parse_cpu_list(args.cpu_bind), log_level=args.log_level)
+    from shepherd.engine.core_proc import pin
+    from shepherd.engine.engine import Engine
+    pin(parse_cpu_list(args.cpu_bind), eng_cfg.num_threads)
+    return Engine(eng_cfg)
+
+
 def main(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -139,15 +180,11 @@ def main(args) -> int:
     except ConfigError as e:
         print(f"shepherd serve: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-
-    from shepherd.engine.engine import Engine
     try:
-        from shepherd.model.loader import ModelLoadError
-    except Exception:  # noqa: BLE001
-        ModelLoadError = ConfigError  # type: ignore
-    try:
-        engine = Engine(eng_cfg)
-    except (ConfigError, ModelLoadError) as e:
+        engine = build_engine(args, eng_cfg)
+    except Exception as e:  # noqa: BLE001 - ConfigError, CoreStartError, ModelLoadError: a clear line, exit 2
+        if not isinstance(e, (ConfigError, OSError)) and type(e).__name__ != "ModelLoadError":
+            raise
         print(f"shepherd serve: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
@@ -161,11 +198,21 @@ def main(args) -> int:
     config = uvicorn.Config(app, host=srv_cfg.host, port=srv_cfg.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = uvicorn.Server(config)
+
+    def on_dead(reason: str) -> None:
+        log.error("engine core died (%s): shutting the server down", reason)
+        server.should_exit = True
+
+    engine.on_dead = on_dead
     try:
         server.run()
     except OSError as e:  # e.g. the port is taken
         print(f"shepherd serve: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
     if getattr(server, "started", True) is False:
         return 1
     if engine.dead_reason and engine.dead_reason != "engine stopped":

@@ -1,0 +1,194 @@
+"""The server's side of the engine-core process.
+
+    engine = CoreProcessEngine(cfg, cpus=[0, 1])   # spawns the core, waits until it is built
+    engine.on_dead = lambda reason: ...            # called once if the core dies or crashes
+    await engine.start()                           # reads the pipe on the event loop
+    ... same API as Engine (engine.py) ...
+    await engine.stop()                            # SHUTDOWN, join; terminate/kill if it does not go
+
+The pipe is read on the event loop (loop.add_reader): no extra thread in the
+server process, so nothing there competes with the core's cores for the GIL
+or the CPU except the HTTP work itself. Intake items submitted in one
+event-loop turn go out as one message.
+
+Failure: EOF on the pipe or a ("crash", message) from the core means the core
+is gone; every pending request gets an error terminal, /health turns 503
+(`alive` is False) and `on_dead(reason)` is called (`shepherd serve` exits
+non-zero with the reason).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from typing import Callable, Optional
+
+from shepherd.config import ConfigError, EngineConfig
+from shepherd.engine.core import SHUTDOWN, WATCHDOG_EXIT_CODE, CoreStep
+from shepherd.engine.core_proc import core_main
+from shepherd.engine.engine import EngineFront
+
+logger = logging.getLogger("shepherd.engine")
+
+
+class CoreStartError(ConfigError):
+    """The core could not be built (bad model path, bad configuration, load failure)."""
+
+
+class CoreProcessEngine(EngineFront):
+    def __init__(self, cfg: EngineConfig, cpus: Optional[list[int]] = None, log_level: str = "info",
+                 ready_timeout: float = 900.0):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=core_main, args=(child, cfg, log_level, cpus), name="shepherd-core",
+                                daemon=True)
+        self.proc.start()
+        child.close()   # ours is closed: EOF on our end then means the core is gone
+        self.on_dead: Optional[Callable[[str], None]] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_tid: Optional[int] = None
+        self._outbox: list = []
+        self._lock = threading.Lock()
+        msg = self._wait_ready(ready_timeout)
+        _, info, tokenizer, stats = msg
+        self._init_front(cfg, info, tokenizer, stats)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid
+
+    def _wait_ready(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.2):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self._kill()
+                raise CoreStartError(f"the engine core did not start: {self._exit_reason()}")
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            self._kill()
+            raise CoreStartError(f"the engine core did not start: {self._exit_reason()}") from None
+        if msg[0] != "ready":
+            self.proc.join(10)
+            self._kill()
+            raise CoreStartError(msg[2])
+        return msg
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._running and self.proc.is_alive()
+
+    async def start(self) -> None:
+        if self._running or self._dead is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._loop_tid = threading.get_ident()
+        logger.info("KV cache: capacity %d tokens (host pool %d tokens), max_model_len %d, model %s, executor %s, "
+                    "engine core pid %d", self.kv_capacity, self.host_kv_capacity, self.max_model_len,
+                    self.model_name, self.cfg.executor, self.proc.pid)
+        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        self._running = True
+
+    async def stop(self) -> None:
+        if self._running:
+            self._running = False
+            self._flush()
+            try:
+                self._conn.send([(SHUTDOWN, None)])
+            except OSError:
+                pass
+            await asyncio.to_thread(self.proc.join, 30)
+            self._drain()   # the core's last message: abort terminals of what was left
+        self._close("engine stopped")
+        self._on_dead("engine stopped", reason="abort")
+
+    # --------------------------------------------------------------- sending
+    def _send(self, items: list) -> None:
+        with self._lock:
+            self._outbox.extend(items)
+            if len(self._outbox) > len(items):
+                return          # a flush is already scheduled
+        if threading.get_ident() == self._loop_tid:
+            self._loop.call_soon(self._flush)
+        else:
+            self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._outbox = self._outbox, []
+        if not items or self._dead is not None:
+            return
+        try:
+            self._conn.send(items)
+        except OSError:
+            self._core_failed(None)
+
+    # ------------------------------------------------------------- receiving
+    def _on_readable(self) -> None:
+        self._drain()
+
+    def _drain(self) -> None:
+        try:
+            while self._dead is None and self._conn.poll():
+                msg = self._conn.recv()
+                if type(msg) is CoreStep:
+                    self._on_step(msg)
+                elif msg[0] == "crash":
+                    self._core_failed(msg[1])
+        except (EOFError, OSError):
+            if self._running:
+                self._core_failed(None)
+
+    def _core_failed(self, message: Optional[str]) -> None:
+        if self._dead is not None:
+            return
+        self._running = False
+        if message is None:
+            self.proc.join(2)
+            message = f"engine core process died: {self._exit_reason()}"
+        logger.error("%s; failing every pending request", message)
+        self._close(message)
+        self._on_dead(message)
+        if self.on_dead is not None:
+            self.on_dead(message)
+
+    def close(self) -> None:
+        """Synchronous last resort (the server never started, or exits): the core process goes."""
+        if not self._conn.closed:
+            self._close("closed")
+
+    # --------------------------------------------------------------- cleanup
+    def _exit_reason(self) -> str:
+        code = self.proc.exitcode
+        if code is None:
+            return "still running"
+        if code == WATCHDOG_EXIT_CODE:
+            return f"exit code {code} (watchdog: a step ran longer than --watchdog-timeout)"
+        if code < 0:
+            try:
+                return f"killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def _close(self, why: str) -> None:
+        if self._loop is not None and not self._conn.closed:
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+            except (ValueError, OSError, RuntimeError):
+                pass
+        self._kill()
+        if not self._conn.closed:
+            self._conn.close()
+
+    def _kill(self) -> None:
+        """Make sure the core process is gone (no orphan)."""
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)

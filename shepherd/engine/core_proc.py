@@ -1,0 +1,110 @@
+"""The engine-core process: what runs on the other side of the pipe.
+
+Started with the `spawn` method by CoreProcessEngine (core_client.py): torch's
+OpenMP runtime and fork do not mix, and a fresh interpreter does not inherit
+the server's threads. The process
+
+  1. leaves the server's process group and ignores SIGINT: Ctrl-C or a
+     signal to the group reaches the server alone, which stops the core over
+     the pipe (a core killed by the group signal would look like a crash);
+     asks the kernel to kill it if the server dies (PR_SET_PDEATHSIG),
+  2. binds itself to `cpus` and sets its torch threads before torch is imported,
+  3. builds the EngineCore and answers ("ready", CoreInfo, tokenizer, stats)
+     or ("error", kind, message),
+  4. runs core.run_loop with the pipe as recv/send until SHUTDOWN, and exits
+     quietly when the server goes away (EOF on the pipe: no orphan).
+
+Wire format: multiprocessing.Connection (pickle over a socketpair). Server ->
+core messages are lists of intake tuples; core -> server messages are one
+CoreStep per step, or ("crash", message). docs/SERVING.md has the measured
+cost per step of this against the alternatives.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Optional
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class PipeRecv:
+    """core.run_loop's recv over a Connection: every message waiting, each a list of intake items."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def __call__(self, timeout: Optional[float]) -> list:
+        conn = self.conn
+        if timeout is None or timeout > 0:
+            conn.poll(timeout)
+        items: list = []
+        while conn.poll(0):
+            items.extend(conn.recv())     # EOFError when the server is gone
+        return items
+
+
+def pin(cpus: Optional[list[int]], num_threads: Optional[int]) -> None:
+    """Bind this process to `cpus` and size the OpenMP pool (before torch is imported)."""
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+    n = num_threads or (len(cpus) if cpus else None)
+    if n:
+        os.environ["OMP_NUM_THREADS"] = str(n)
+        os.environ["SHEPHERD_NUM_THREADS"] = str(n)
+
+
+def detach() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: no orphan even if this process is stuck
+    except Exception:  # noqa: BLE001 - not Linux: the EOF on the pipe still ends the core
+        pass
+    if os.getppid() == 1:   # the server died before the line above
+        os._exit(0)
+
+
+def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = None) -> None:
+    detach()
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format=LOG_FORMAT)
+    log = logging.getLogger("shepherd.core")
+    pin(cpus, cfg.num_threads)
+    from shepherd.engine.core import EngineCore, run_loop, start_watchdog, watchdog_exit
+    try:
+        core = EngineCore(cfg)
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which exits with the reason
+        kind = "config" if isinstance(e, (ValueError, FileNotFoundError)) else "load"
+        log.debug("core build failed", exc_info=True)
+        conn.send(("error", kind, f"{e}" or type(e).__name__))
+        return
+    try:
+        import torch
+        threads = torch.get_num_threads()
+    except Exception:  # noqa: BLE001
+        threads = 0
+    log.info("engine core pid %d: cpus %s, torch threads %d", os.getpid(),
+             sorted(os.sched_getaffinity(0)), threads)
+    conn.send(("ready", core.info, core.tokenizer, copy.copy(core.scheduler.stats())))
+    if cfg.watchdog_timeout and cfg.watchdog_timeout > 0:
+        start_watchdog(core, float(cfg.watchdog_timeout), watchdog_exit(cfg.watchdog_timeout), threading.Event())
+    try:
+        run_loop(core, PipeRecv(conn), conn.send)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        log.info("server went away; engine core exits")
+    except BaseException as e:  # noqa: BLE001
+        log.exception("engine core crashed")
+        try:
+            conn.send(("crash", f"engine crashed: {type(e).__name__}: {e}"))
+        except Exception:  # noqa: BLE001
+            pass
+        sys.exit(1)

@@ -1,0 +1,177 @@
+"""The engine core in its own process, behind the HTTP server: aborts cross the
+process boundary, a dead core fails its requests and the server, and stopping
+the server leaves no process behind. The simulated executor (real tokenizer,
+no weights) keeps these fast."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from shepherd.config import EngineConfig
+from shepherd.engine.core_client import CoreProcessEngine
+
+try:
+    from test_server_api import ServerThread, free_port
+except ImportError:  # pragma: no cover - when tests/ is a package
+    from tests.test_server_api import ServerThread, free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LONG = {"prompt": "tell me everything", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` is a live process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def core_child(pid: int) -> int:
+    """The engine-core process among `pid`'s children (the one started by multiprocessing's spawn)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    for k in kids:
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return k
+    raise AssertionError(f"no engine-core child among {kids}")
+
+
+def wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+class Serve:
+    """A real `shepherd serve --executor sim` process."""
+
+    def __init__(self, tmp_path, *args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / "serve.log"
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "shepherd", "serve", "--executor", "sim", "--port", str(self.port),
+               "--max-total-tokens", "8192", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def __enter__(self):
+        def healthy():
+            assert self.proc.poll() is None, f"serve exited {self.proc.returncode}: {self.text()[-3000:]}"
+            try:
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(healthy, 120, "the server to be healthy")
+        self.core_pid = core_child(self.proc.pid)
+        assert self.core_pid != self.proc.pid and pid_alive(self.core_pid)
+        return self
+
+    def text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+def read_events(lines, n: int) -> list:
+    got = []
+    for line in lines:
+        if line.startswith("data: "):
+            got.append(line[6:])
+            if len(got) >= n:
+                break
+    return got
+
+
+def test_disconnect_aborts_in_the_core_process(tmp_path):
+    with Serve(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=LONG) as r:
+            lines = r.iter_lines()   # kept: a dropped iterator closes the connection
+            assert len(read_events(lines, 3)) == 3
+            assert metric(srv.url, "vllm:num_requests_running") == 1
+            assert metric(srv.url, "shepherd:kv_used_tokens") > 0
+        # 3000 simulated tokens take minutes: only the abort can free the KV this soon
+        wait_for(lambda: metric(srv.url, "vllm:num_requests_running") == 0
+                 and metric(srv.url, "shepherd:kv_used_tokens") == 0, 10, "the core to drop the request")
+        cap = metric(srv.url, "shepherd:kv_capacity_tokens")
+        assert metric(srv.url, "shepherd:kv_free_tokens") + metric(srv.url, "shepherd:kv_evictable_tokens") == cap
+        assert metric(srv.url, "shepherd:engine_steps_total") > 0
+        text = httpx.get(srv.url + "/metrics").text
+        assert re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} 1\.0$', text, re.M)
+        assert srv.proc.poll() is None
+
+
+def test_killed_core_gives_error_terminals_and_503():
+    """In process: the server keeps answering, with an error for the stream and 503 on /health."""
+    engine = CoreProcessEngine(EngineConfig(executor="sim", max_total_tokens=8192), log_level="warning")
+    try:
+        with ServerThread(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            with c.stream("POST", "/v1/completions", json=LONG) as r:
+                lines = r.iter_lines()
+                assert len(read_events(lines, 2)) == 2
+                os.kill(engine.pid, signal.SIGKILL)
+                rest = read_events(lines, 10_000)
+            assert rest[-1] == "[DONE]"
+            err = json.loads(rest[-2])["error"]
+            assert "engine core process died" in err["message"] and "SIGKILL" in err["message"]
+            assert c.get("/health").status_code == 503
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["message"]
+    finally:
+        engine.close()
+    assert not pid_alive(engine.pid)
+
+
+def test_killed_core_makes_serve_exit_nonzero(tmp_path):
+    with Serve(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=LONG) as r:
+            lines = r.iter_lines()
+            assert len(read_events(lines, 2)) == 2
+            os.kill(srv.core_pid, signal.SIGKILL)
+            rest = read_events(lines, 10_000)
+        assert "error" in json.loads(rest[-2])
+        code = srv.proc.wait(60)     # never a hang
+        assert code not in (0, None), srv.text()[-3000:]
+        assert "engine core process died: killed by signal SIGKILL" in srv.text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_both_processes(tmp_path, sig):
+    with Serve(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=LONG) as r:
+            lines = r.iter_lines()
+            assert len(read_events(lines, 2)) == 2
+            srv.proc.send_signal(sig)
+            code = srv.proc.wait(60)
+        # uvicorn drains for up to 5 s, then re-raises the signal: killed by it, or 0; never 1
+        assert code in (0, -sig), (code, srv.text()[-3000:])
+        wait_for(lambda: not pid_alive(srv.core_pid), 10, "the core process to go")
+        assert "engine core died" not in srv.text()
