@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Aggregate output throughput and TTFT at 1/8/32/64 concurrent streams.
+"""Aggregate output throughput, TTFT and TPOT at 1/8/32/64 concurrent streams.
 
 For each concurrency N, N distinct chat prompts are submitted at once, each
 asking for exactly `--max-tokens` output tokens (ignore_eos). Reported:
@@ -7,6 +7,11 @@ aggregate output tok/s (all output tokens / wall time from submit to the last
 token) and TTFT p50. Systems, in the same run, same model and dtype:
 
   * shepherd, batch-invariant mode on   (in-process Engine: scheduler + TorchExecutor)
+  * shepherd served: a real `shepherd serve` (engine core in its own process) over HTTP, driven by the
+    official `openai` AsyncOpenAI client, streaming chat completions, ignore_eos via extra_body; printed
+    beside the in-process figures with served/in-process ratios, TTFT and TPOT p50 and the peak RSS of
+    the server process and of the core process. `--served-variant NAME="ARGS"` (repeatable) adds
+    `shepherd serve` configurations (threads, --cpu-bind ...) measured in the same run.
   * shepherd, batch-invariant mode off
   * HF transformers `generate` (batched, left-padded, greedy, min_new_tokens = max_new_tokens)
 
@@ -15,6 +20,7 @@ Prints a table and writes it into docs/BENCHMARKS.md between the markers
 
     .venv/bin/python benchmarks/throughput.py            # full: 1, 8, 32, 64 streams, 128 tokens
     .venv/bin/python benchmarks/throughput.py --quick    # 1 and 8 streams, 32 tokens
+    .venv/bin/python benchmarks/throughput.py --streams 1,64 --no-hf --no-invariant-off   # served vs in-process
 """
 from __future__ import annotations
 
@@ -24,29 +30,28 @@ import gc
 import os
 import platform
 import shlex
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _openai_client import RssSampler, fixed_concurrency, questions  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 START, END = "<!-- throughput:start -->", "<!-- throughput:end -->"
 
-TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "honey bees", "the violin", "glaciers", "trains",
-          "coffee", "owls", "deserts", "bridges", "tea", "comets", "forests"]
-ASKS = ["Tell me a story about", "Write a poem about", "Explain the history of", "List facts about"]
-
-
 def make_prompts(tok, n: int) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        q = f"{ASKS[i % len(ASKS)]} {TOPICS[i % len(TOPICS)]} (variant {i})."
-        out.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])))
-    return out
+    """The served runs send the same questions as chat messages (the server applies the template)."""
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+                       add_special_tokens=False) for q in questions(n)]
 
 
 def p50(xs):
@@ -58,6 +63,7 @@ async def _shepherd_run(engine, prompts, max_tokens):
     from shepherd.request import SamplingParams
     t0 = time.perf_counter()
     ttft: list[float] = []
+    tpot: list[float] = []
     ntok = 0
 
     async def one(p):
@@ -65,22 +71,25 @@ async def _shepherd_run(engine, prompts, max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         stream = engine.submit(p, params)
         await stream
-        first = None
+        first = last = None
         got = 0
         async for out in stream:
-            if out.token_ids and first is None:
-                first = time.perf_counter() - t0
+            if out.token_ids:
+                last = time.perf_counter() - t0
+                first = last if first is None else first
             got += len(out.token_ids)
             if out.finished:
                 if out.error:
                     raise RuntimeError(out.error)
                 break
         ttft.append(first if first is not None else float("nan"))
+        if got > 1:
+            tpot.append((last - first) / (got - 1))
         ntok += got
 
     await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t0
-    return {"tok_s": ntok / wall, "ttft_p50": p50(ttft), "wall_s": wall, "tokens": ntok}
+    return {"tok_s": ntok / wall, "ttft_p50": p50(ttft), "tpot_p50": p50(tpot), "wall_s": wall, "tokens": ntok}
 
 
 def bench_shepherd(model, dtype, batch_invariant, streams, max_tokens, prompts_all):
@@ -105,6 +114,79 @@ def bench_shepherd(model, dtype, batch_invariant, streams, max_tokens, prompts_a
             await engine.stop()
     asyncio.run(main())
     return res
+
+
+# ----------------------------------------------------------------------------- shepherd served
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_served(model, dtype, streams, max_tokens, kv_tokens: int, extra_args: list[str], label: str) -> dict:
+    """`shepherd serve` in a process of its own, the openai client in this one."""
+    import httpx
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "shepherd", "serve", model, "--port", str(port), "--dtype", dtype,
+           "--max-total-tokens", str(kv_tokens), "--max-batch-size", str(max(256, max(streams))),
+           "--log-level", "warning", *extra_args]
+    log = open(ROOT / "out" / f"throughput-serve-{label}.log", "w") if (ROOT / "out").is_dir() else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    res = {}
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"shepherd serve exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("shepherd serve did not become healthy")
+            time.sleep(0.5)
+        mid = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        body = {"ignore_eos": True}
+        asyncio.run(fixed_concurrency(url, mid, questions(2), 2, 2, 8, body))          # warm-up
+        for n in streams:
+            with RssSampler(proc.pid) as rss:
+                r = asyncio.run(fixed_concurrency(url, mid, questions(n), n, n, max_tokens, body))
+            r["rss_server_mb"], r["rss_core_mb"] = rss.peak_root_mb, rss.peak_children_mb
+            res[n] = r
+            print(f"  shepherd served [{label}] N={n}: {r['tok_s']:.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, "
+                  f"TPOT p50 {r['tpot_p50'] * 1000:.1f} ms, RSS server {r['rss_server_mb']:.0f} MB, "
+                  f"core {r['rss_core_mb']:.0f} MB{', ERRORS ' + str(r['errors']) if r['errors'] else ''}",
+                  flush=True)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return res
+
+
+def served_table(inproc: dict, served: dict[str, dict], streams) -> str:
+    rows = ["| streams | shepherd run | tok/s | served / in-process | TTFT p50 | TPOT p50 | RSS server | RSS core |",
+            "|---|---|---|---|---|---|---|---|"]
+    for n in streams:
+        base = inproc.get(n)
+        if base:
+            rows.append(f"| {n} | in-process `Engine` (no HTTP) | {base['tok_s']:.0f} | 1.00 | "
+                        f"{base['ttft_p50'] * 1000:.0f} ms | {base['tpot_p50'] * 1000:.1f} ms | — | — |")
+        for label, res in served.items():
+            r = res.get(n)
+            if not r:
+                continue
+            ratio = f"{r['tok_s'] / base['tok_s']:.2f}" if base else "—"
+            rows.append(f"| {n} | served: `shepherd serve {label}` | {r['tok_s']:.0f} | {ratio} | "
+                        f"{r['ttft_p50'] * 1000:.0f} ms | {r['tpot_p50'] * 1000:.1f} ms | "
+                        f"{r['rss_server_mb']:.0f} MB | {r['rss_core_mb']:.0f} MB |")
+    return "\n".join(rows)
 
 
 # ----------------------------------------------------------------------------- HF generate
@@ -201,6 +283,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="1 and 8 streams, 32 tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--no-invariant-off", action="store_true", help="skip shepherd with --no-batch-invariant")
+    ap.add_argument("--no-served", action="store_true", help="skip the served (HTTP) runs")
+    ap.add_argument("--served-variant", action="append", default=[], metavar='NAME="ARGS"',
+                    help='a `shepherd serve` configuration to measure (repeat); default: one run with the '
+                         'default flags. E.g. --served-variant "t1=--num-threads 1 --cpu-bind 1"')
     ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
@@ -221,6 +307,15 @@ def main(argv=None):
 
     results = {}
     results["shepherd (batch-invariant on)"] = bench_shepherd(model, args.dtype, True, streams, args.max_tokens, prompts)
+    served: dict[str, dict] = {}
+    if not args.no_served:
+        kv = max(streams) * (max(len(p) for p in prompts) + args.max_tokens + 16) + 4096
+        for v in args.served_variant or ["(defaults)="]:
+            label, _, extra = v.partition("=")
+            served[(extra or label).strip() if label == "(defaults)" else label] = bench_served(
+                model, args.dtype, streams, args.max_tokens, kv, shlex.split(extra), label)
+        for label, res in served.items():
+            results[f"shepherd served `{label}` (openai client, HTTP)"] = res
     if not args.no_invariant_off:
         results["shepherd (batch-invariant off)"] = bench_shepherd(model, args.dtype, False, streams,
                                                                    args.max_tokens, prompts)
@@ -245,9 +340,22 @@ def main(argv=None):
         "weights written as a plain Hugging Face folder (`save_hf_folder`), in the same dtype.",
         "",
         table(results, streams),
-    ])
+    ] + ([
+        "",
+        "### Served vs in-process (batch-invariant on)",
+        "",
+        "Served: `shepherd serve` (HTTP server process + engine-core process, docs/SERVING.md), driven by the "
+        "official `openai` AsyncOpenAI client: streaming chat completions, ignore_eos via extra_body, all N "
+        "requests in flight at once. TPOT p50: per request (last token - first token) / (tokens - 1). RSS: "
+        "peak resident memory sampled every 0.25 s while the N streams run.",
+        "",
+        served_table(results["shepherd (batch-invariant on)"], served, streams),
+    ] if served else []))
     print()
     print(table(results, streams))
+    if served:
+        print()
+        print(served_table(results["shepherd (batch-invariant on)"], served, streams))
     if not args.no_write:
         write_doc(section, Path(args.out))
         print(f"\nwritten to {args.out}")
