@@ -43,7 +43,9 @@ ADD, ABORT, FINISH, SHUTDOWN = "add", "abort", "finish", "shutdown"
 
 
 class CoreOutput(NamedTuple):
-    """What one step produced for one request."""
+    """What one step produced for one request. On the wire it is a plain tuple in this field
+    order (a NamedTuple pickles several times slower: benchmarks/ipc_cost.py); the front
+    reads it back with CoreOutput._make."""
     req_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprob]
@@ -58,7 +60,7 @@ class CoreOutput(NamedTuple):
 class CoreStep(NamedTuple):
     """One message from the core to the front: all of one iteration."""
     answers: list[tuple]            # (req_id, None) accepted | (req_id, (kind, message, retry_after))
-    outputs: list[CoreOutput]
+    outputs: list[tuple]            # CoreOutput fields, as plain tuples
     stats: SchedulerStats
     step_time: Optional[float]      # executor time of the step, None when no step ran
     generated: int
@@ -110,10 +112,10 @@ class EngineCore:
         return self.scheduler.has_work
 
     # ---------------------------------------------------------------- intake
-    def intake(self, items: list, now: float) -> tuple[list, list[CoreOutput]]:
+    def intake(self, items: list, now: float) -> tuple[list, list[tuple]]:
         """Adds, aborts and finishes -> (answers to the adds, abort terminals)."""
         answers: list = []
-        outs: list[CoreOutput] = []
+        outs: list[tuple] = []
         for kind, arg in items:
             if kind == ADD:
                 req: Request = arg
@@ -142,11 +144,11 @@ class EngineCore:
     def dead_answers(self, items: list, message: str) -> list:
         return [(arg.req_id, ("dead", message, 0.0)) for kind, arg in items if kind == ADD]
 
-    def abort_all(self, now: float) -> list[CoreOutput]:
+    def abort_all(self, now: float) -> list[tuple]:
         return self.intake([(ABORT, rid) for rid in list(self._reqs)], now)[1]
 
     # ------------------------------------------------------------------ step
-    def step(self) -> tuple[list[CoreOutput], Optional[float], int]:
+    def step(self) -> tuple[list[tuple], Optional[float], int]:
         """One schedule -> execute -> on_step: (outputs, executor step time or None, tokens generated)."""
         now = time.monotonic()
         batch = self.scheduler.schedule(now)
@@ -165,11 +167,11 @@ class EngineCore:
         now = time.monotonic()
         self.num_steps += 1
         outs = self._outputs(self.scheduler.on_step(batch, result, now))
-        generated = sum(len(o.token_ids) for o in outs)
+        generated = sum(len(o[1]) for o in outs)
         self.step_logger.on_step(self.scheduler.stats(), now, generated)
         return outs, float(result.step_time or (now - t0)), generated
 
-    def _outputs(self, ros) -> list[CoreOutput]:
+    def _outputs(self, ros) -> list[tuple]:
         outs = []
         for o in ros or ():
             req = self._reqs.get(o.req_id)
@@ -181,14 +183,14 @@ class EngineCore:
             outs.append(self._output(req, o.new_token_ids, o.logprobs, o.finished, reason, o.error))
         return outs
 
-    def _output(self, req: Request, ids, lps, finished: bool, reason, error) -> CoreOutput:
+    def _output(self, req: Request, ids, lps, finished: bool, reason, error) -> tuple:
         qt = None
         if (ids or finished) and req.req_id in self._first:
             self._first.discard(req.req_id)
             if req.admitted_at is not None:
                 qt = max(0.0, req.admitted_at - req.arrival)
-        return CoreOutput(req.req_id, list(ids), list(lps), finished, reason, error, len(req.output_ids),
-                          int(req.num_cached or 0), qt)
+        return (req.req_id, list(ids), list(lps), finished, reason, error, len(req.output_ids),
+                int(req.num_cached or 0), qt)
 
 
 def run_loop(core: EngineCore, recv: Callable[[Optional[float]], list], send: Callable[[CoreStep], None]) -> None:

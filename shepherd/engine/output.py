@@ -173,8 +173,10 @@ class OutputProcessor:
 
     def on_outputs(self, outs, now: float) -> list[str]:
         """Core outputs -> stream deltas; returns the ids that a stop string finished here."""
+        from shepherd.engine.core import CoreOutput
         finish: list[str] = []
-        for o in outs:
+        for t in outs:
+            o = CoreOutput._make(t)
             tr = self.tracks.get(o.req_id)
             if tr is None or tr.done:
                 continue
