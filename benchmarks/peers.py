@@ -25,6 +25,11 @@ Workloads (same prompts for every peer: `shepherd bench` builds them from a seed
                first shepherd row's saturated request rate (output tok/s at fixed-64 / mean output length)
   shared-prefix  64 requests, a 1,000-token system prompt shared by all + 32 unique tokens, 64 output
                tokens, 16 in flight
+  openai-C     C in 1, 64 (--openai-streams) concurrent streams driven by the official `openai`
+               AsyncOpenAI client (benchmarks/_openai_client.py, the same client as throughput.py's served
+               column): streaming chat completions of ~40-token prompts, 128 output tokens (ignore_eos, or
+               llama.cpp's logit_bias on EOS), C requests all in flight; also the peak RSS of the server
+               process(es) and of their worker processes (shepherd's engine core, vLLM's EngineCore)
 Also, once: vLLM's own `vllm bench serve` (random 128/128, 64 prompts, 32 concurrent) against shepherd,
 an independent client beside our fixed-32 row.
 
@@ -49,6 +54,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import _peer_envs as envs  # noqa: E402
+from _openai_client import RssSampler, fixed_concurrency, questions  # noqa: E402
 
 SHEPHERD_MODES = ("guaranteed", "peak", "optimistic")
 ALL_PEERS = [f"shepherd-{m}" for m in SHEPHERD_MODES] + ["shepherd-gateway", "vllm", "vllm-default",
@@ -253,6 +259,27 @@ def run_bench(url: str, out: Path, args: list, extra_body: dict, ignore_eos: boo
     return s
 
 
+def run_openai(srv: "Server", concurrency: int, max_tokens: int) -> dict:
+    """The openai-client fixed-C workload against a running peer, with the RSS of its processes."""
+    import asyncio
+    body = dict(srv.extra_body)
+    if srv.ignore_eos:
+        body["ignore_eos"] = True
+    samplers = [RssSampler(p.pid) for p in srv.procs]
+    for r in samplers:
+        r.__enter__()
+    try:
+        res = asyncio.run(fixed_concurrency(srv.url, SERVED_NAME, questions(concurrency), concurrency, concurrency,
+                                            max_tokens, body))
+    finally:
+        for r in samplers:
+            r.__exit__(None, None, None)
+    return {"output_tok_s": res["tok_s"], "ttft_p50": res["ttft_p50"], "tpot_p50": res["tpot_p50"],
+            "requests": res["requests"], "completed": res["requests"] - res["errors"], "failed": res["errors"],
+            "rss_server_mb": sum(r.peak_root_mb for r in samplers),
+            "rss_workers_mb": sum(r.peak_children_mb for r in samplers)}
+
+
 def run_hf(cache: Path, outdir: Path, quick: bool) -> dict[str, dict]:
     """The transformers baseline: the same prompts, batched generate, in its own venv."""
     from shepherd.bench import loadgen, prompts
@@ -386,6 +413,17 @@ def render(results: dict) -> str:
             s = results["peers"][p].get(w)
             cells.append("n/a" if not s or s.get("error") else f"{_ms(s.get('ttft_p50'))} / {_ms(s.get('tpot_p50'))}")
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    ow = [w for w in wl if w.startswith("openai-")]
+    if ow:
+        lines += ["", "Peak RSS in MB during the openai-client workloads: server process(es) / their workers "
+                  "(shepherd: the engine-core process; vLLM: its EngineCore):", "", head, sep]
+        for w in ow:
+            cells = []
+            for p in peers:
+                s = results["peers"][p].get(w)
+                cells.append("n/a" if not s or s.get("rss_server_mb") is None else
+                             f"{s['rss_server_mb']:,.0f} / {s.get('rss_workers_mb', 0):,.0f}")
+            lines.append(f"| {w} | " + " | ".join(cells) + " |")
     r = results.get("ratios")
     if r:
         lines += ["", "Ratios (shepherd = its best admission mode on each workload):", ""]
@@ -428,7 +466,9 @@ def ratios(results: dict) -> dict:
 
     out = {}
     for w, peers, targets in (("fixed-64", ("vllm", "llamacpp", "hf"), {"vllm": 1.5, "llamacpp": 4.0, "hf": 1.3}),
-                              ("fixed-1", ("vllm", "llamacpp"), {"vllm": 1.5, "llamacpp": 0.8})):
+                              ("fixed-1", ("vllm", "llamacpp"), {"vllm": 1.5, "llamacpp": 0.8}),
+                              ("openai-64", ("vllm", "llamacpp"), {"vllm": 1.5, "llamacpp": 4.0}),
+                              ("openai-1", ("vllm", "llamacpp"), {"vllm": 1.5, "llamacpp": 1.0})):
         b = best_shepherd(w)
         if not b:
             continue
@@ -464,6 +504,9 @@ def main() -> int:
     ap.add_argument("--shepherd-arg", action="append", default=[],
                     help="extra argument for every `shepherd serve` (repeat), e.g. --shepherd-arg=--max-total-tokens "
                          "--shepherd-arg=16384 to put the admission modes under KV pressure")
+    ap.add_argument("--openai-streams", default="1,64",
+                    help="concurrencies of the openai-client workload (empty: skip it)")
+    ap.add_argument("--only-openai", action="store_true", help="only the openai-client workload")
     ap.add_argument("--cache", default=str(envs.DEFAULT_CACHE))
     ap.add_argument("--out", default=str(ROOT / "out" / "peers"))
     ap.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"))
@@ -505,11 +548,15 @@ def main() -> int:
     if a.install_only:
         return 0 if all(env_ok.values()) else 1
 
-    wl = workloads(a.quick, azure_trace())
+    wl = [] if a.only_openai else workloads(a.quick, azure_trace())
+    openai_c = [int(x) for x in a.openai_streams.split(",") if x.strip()]
+    wl += [{"name": f"openai-{c}", "kind": "openai", "concurrency": c} for c in openai_c]
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                      "command": "python benchmarks/peers.py" + (" --quick" if a.quick else "")
                                 + (f" --only {a.only}" if a.only else "")
+                                + (" --only-openai" if a.only_openai else "")
+                                + (f" --openai-streams {a.openai_streams}" if a.openai_streams != "1,64" else "")
                                 + "".join(f" --shepherd-arg={x}" for x in a.shepherd_arg),
                      "workloads": [w["name"] for w in wl], "peers": {}, "skipped": skipped, "notes": []}
     try:
@@ -547,6 +594,10 @@ def main() -> int:
             run_bench(srv.url, pdir / "warmup", ["--num-requests", 2, "--input-len", 16, "--output-len", 4],
                       srv.extra_body, srv.ignore_eos, quiet=True, seed=WARMUP_SEED)
             for w in wl:
+                if w["kind"] == "openai":
+                    log(f"{peer}: {w['name']} (openai client)")
+                    rows[w["name"]] = run_openai(srv, w["concurrency"], 16 if a.quick else 128)
+                    continue
                 args = list(w["args"])
                 if w["kind"] == "poisson":
                     if poisson_rate is None:

@@ -290,6 +290,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # run the finally blocks: no server left behind
     if args.quick:
         args.streams, args.max_tokens = "1,8", 32
     streams = [int(x) for x in args.streams.split(",") if x]

@@ -79,7 +79,7 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format=LOG_FORMAT)
     log = logging.getLogger("shepherd.core")
     pin(cpus, cfg.num_threads)
-    from shepherd.engine.core import EngineCore, run_loop, start_watchdog, watchdog_exit
+    from shepherd.engine.core import EngineCore, start_watchdog, watchdog_exit
     try:
         core = EngineCore(cfg)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which exits with the reason
@@ -97,14 +97,26 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     conn.send(("ready", core.info, core.tokenizer, copy.copy(core.scheduler.stats())))
     if cfg.watchdog_timeout and cfg.watchdog_timeout > 0:
         start_watchdog(core, float(cfg.watchdog_timeout), watchdog_exit(cfg.watchdog_timeout), threading.Event())
+    # The loop runs in a thread of its own, like Engine's: torch's OpenMP team driven from the
+    # process's main thread measured 10x slower per step on this 2-core machine under load
+    # (docs/SERVING.md, "Threads and cores"); the main thread only waits.
+    t = threading.Thread(target=_serve, args=(core, conn, log), name="shepherd-engine")
+    t.start()
+    t.join()
+    if getattr(t, "failed", False):
+        sys.exit(1)
+
+
+def _serve(core, conn, log) -> None:
+    from shepherd.engine.core import run_loop
     try:
         run_loop(core, PipeRecv(conn), conn.send)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("server went away; engine core exits")
     except BaseException as e:  # noqa: BLE001
         log.exception("engine core crashed")
+        threading.current_thread().failed = True   # type: ignore[attr-defined]
         try:
             conn.send(("crash", f"engine crashed: {type(e).__name__}: {e}"))
         except Exception:  # noqa: BLE001
             pass
-        sys.exit(1)
