@@ -110,6 +110,7 @@ def read_events(lines, n: int) -> list:
     return got
 
 
+@pytest.mark.e2e
 def test_disconnect_aborts_in_the_core_process(tmp_path):
     with Serve(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=LONG) as r:
@@ -150,6 +151,7 @@ def test_killed_core_gives_error_terminals_and_503():
     assert not pid_alive(engine.pid)
 
 
+@pytest.mark.e2e
 def test_killed_core_makes_serve_exit_nonzero(tmp_path):
     with Serve(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=LONG) as r:
@@ -163,6 +165,7 @@ def test_killed_core_makes_serve_exit_nonzero(tmp_path):
         assert "engine core process died: killed by signal SIGKILL" in srv.text()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_both_processes(tmp_path, sig):
     with Serve(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
