@@ -141,9 +141,6 @@ class EngineCore:
                 self._reqs.pop(arg, None)
         return answers, outs
 
-    def dead_answers(self, items: list, message: str) -> list:
-        return [(arg.req_id, ("dead", message, 0.0)) for kind, arg in items if kind == ADD]
-
     def abort_all(self, now: float) -> list[tuple]:
         return self.intake([(ABORT, rid) for rid in list(self._reqs)], now)[1]
 
