@@ -178,3 +178,28 @@ def test_signal_stops_both_processes(tmp_path, sig):
         assert code in (0, -sig), (code, srv.text()[-3000:])
         wait_for(lambda: not pid_alive(srv.core_pid), 10, "the core process to go")
         assert "engine core died" not in srv.text()
+
+
+def test_stopped_core_is_killed_and_its_requests_fail():
+    """A core that cannot even run its own watchdog (here: SIGSTOP) is found silent by the server."""
+    import asyncio
+    from shepherd.request import SamplingParams
+
+    async def main():
+        engine = CoreProcessEngine(EngineConfig(executor="sim", max_total_tokens=8192, watchdog_timeout=1.0),
+                                   log_level="warning")
+        await engine.start()
+        try:
+            stream = await engine.submit(engine.tokenizer.encode("p"), SamplingParams(max_tokens=3000,
+                                                                                      ignore_eos=True))
+            await stream.__anext__()
+            os.kill(engine.pid, signal.SIGSTOP)
+            outs = [o async for o in stream]
+            assert outs[-1].finish_reason == "error" and "engine core hung" in outs[-1].error
+            assert not engine.alive
+        finally:
+            await engine.stop()
+        return engine.pid
+
+    pid = asyncio.run(asyncio.wait_for(main(), 60))
+    assert not pid_alive(pid)

@@ -12,7 +12,9 @@ or the CPU except the HTTP work itself. Intake items submitted in one
 event-loop turn go out as one message.
 
 Failure: EOF on the pipe or a ("crash", message) from the core means the core
-is gone; every pending request gets an error terminal, /health turns 503
+is gone; so does silence: with requests pending and no message from the core
+for `watchdog_timeout + 10` s (the core's own watchdog could not fire: the
+process is stopped, or stuck outside a step), the server kills it. Then every pending request gets an error terminal, /health turns 503
 (`alive` is False) and `on_dead(reason)` is called (`shepherd serve` exits
 non-zero with the reason).
 """
@@ -52,6 +54,9 @@ class CoreProcessEngine(EngineFront):
         self._loop_tid: Optional[int] = None
         self._outbox: list = []
         self._lock = threading.Lock()
+        self._last_recv = time.monotonic()
+        self._sent_at: Optional[float] = None    # oldest send not answered by a message yet
+        self.hang_grace = float(cfg.watchdog_timeout or 0) + 10.0
         msg = self._wait_ready(ready_timeout)
         _, info, tokenizer, stats = msg
         self._init_front(cfg, info, tokenizer, stats)
@@ -91,6 +96,21 @@ class CoreProcessEngine(EngineFront):
                     self.model_name, self.cfg.executor, self.proc.pid)
         self._loop.add_reader(self._conn.fileno(), self._on_readable)
         self._running = True
+        self._loop.call_later(1.0, self._check_hang)
+
+    def _check_hang(self) -> None:
+        if not self._running:
+            return
+        # the core answers every message it reads, and sends one per step while it has work
+        now = time.monotonic()
+        quiet = now - self._last_recv
+        unanswered = now - self._sent_at if self._sent_at is not None else 0.0
+        if unanswered > self.hang_grace or (quiet > self.hang_grace and (self._admitting or self.outputs.tracks)):
+            self.proc.kill()
+            self._core_failed(f"engine core hung: no message for {max(quiet, unanswered):.0f}s with "
+                              "requests pending (killed)")
+            return
+        self._loop.call_later(1.0, self._check_hang)
 
     async def stop(self) -> None:
         if self._running:
@@ -121,6 +141,8 @@ class CoreProcessEngine(EngineFront):
             items, self._outbox = self._outbox, []
         if not items or self._dead is not None:
             return
+        if self._sent_at is None:
+            self._sent_at = time.monotonic()
         try:
             self._conn.send(items)
         except OSError:
@@ -134,6 +156,7 @@ class CoreProcessEngine(EngineFront):
         try:
             while self._dead is None and self._conn.poll():
                 msg = self._conn.recv()
+                self._last_recv, self._sent_at = time.monotonic(), None
                 if type(msg) is CoreStep:
                     self._on_step(msg)
                 elif msg[0] == "crash":
