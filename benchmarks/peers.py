@@ -117,7 +117,7 @@ WARMUP_SEED = 999
 def mean_output_len(args: list) -> float:
     """Mean output length of the poisson workload after scaling, from the trace itself."""
     from shepherd.bench import loadgen
-    from shepherd.sim import traces
+    from shepherd.bench import traces
     a = dict(zip(args[::2], args[1::2]))
     reqs = traces.load_trace(str(a["--trace"]), "azure", limit=int(a["--limit"]))
     reqs = loadgen.reshape(reqs, length_scale=float(a["--length-scale"]), max_input=int(a["--max-input-len"]),

@@ -58,7 +58,7 @@ def ideal_hit_rate(trace) -> float:
 def run_one(job):
     name, knobs, label, args = job
     from shepherd.sim.simulator import SimConfig, Simulator
-    from shepherd.sim.traces import load_trace
+    from shepherd.bench.traces import load_trace
     trace = load_trace(args["trace"], "mooncake", limit=args["limit"], time_scale=args.get("time_scale", 1.0))
     cfg = SimConfig(replicas=args["replicas"], router=name, router_knobs=dict(knobs), progress=False,
                     timeseries=False, model=args["model"], gpu=args["gpu"], kv_capacity=args.get("kv_capacity"))
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             jobs.append((n, {}, "defaults", args))
     if a.variants:
         jobs += [(n, k, lbl, args) for n, k, lbl in VARIANTS]
-    from shepherd.sim.traces import load_trace
+    from shepherd.bench.traces import load_trace
     ideal = ideal_hit_rate(load_trace(a.trace, "mooncake", limit=a.limit))
     os.makedirs(a.out, exist_ok=True)
     rows = []

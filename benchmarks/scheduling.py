@@ -161,7 +161,7 @@ def plot(trackers, titles, path: Path, cap: int, rows_shown: int = 80, window=No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     try:
-        from shepherd.bench.report import draw_timeline
+        from shepherd.bench.plots import draw_timeline
     except Exception:   # pragma: no cover - fallback when the report module is absent
         draw_timeline = None
     n = len(trackers)

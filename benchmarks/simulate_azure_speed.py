@@ -8,7 +8,7 @@ import time
 
 from shepherd.config import SchedulerConfig
 from shepherd.sim.simulator import SimConfig, simulate
-from shepherd.sim.traces import load_trace
+from shepherd.bench.traces import load_trace
 
 from shepherd.paths import shared_data
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from shepherd.bench.report import write_report
 from shepherd.config import SchedulerConfig
 from shepherd.sim.simulator import SimConfig, simulate
-from shepherd.sim.traces import load_trace
+from shepherd.bench.traces import load_trace
 
 from shepherd.paths import shared_data
 
@@ -63,7 +63,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from shepherd.bench.report import draw_timeline
+    from shepherd.bench.plots import draw_timeline
     fig, axs = plt.subplots(2, 3, figsize=(16, 8), gridspec_kw={"height_ratios": [3, 1]})
     for i, (mode, res) in enumerate(runs.items()):
         sel = [r for r in res.records if win[0] <= r.arrival < win[1]]

@@ -14,7 +14,7 @@ import numpy as np
 from shepherd.bench.report import service_of, summarize
 from shepherd.config import SchedulerConfig
 from shepherd.sim.simulator import SimConfig, simulate
-from shepherd.sim.traces import ClientSpec, SyntheticSpec, synthetic
+from shepherd.bench.synthetic import ClientSpec, SyntheticSpec, synthetic
 
 
 def service_curve(records, client, grid):

@@ -11,7 +11,8 @@ import pytest
 from shepherd.bench.records import TraceRequest
 from shepherd.config import SchedulerConfig
 from shepherd.request import Request, SamplingParams
-from shepherd.sim import traces as T
+from shepherd.bench import synthetic as S
+from shepherd.bench import traces as T
 from shepherd.sim.cost_model import RooflineCostModel
 from shepherd.sim.simulator import SimConfig, Simulator, simulate
 
@@ -25,10 +26,10 @@ AZURE = SHARED / "azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
 
 
 def synth(n=150, seed=3, rate=6.0, clients=2, **kw):
-    spec = T.SyntheticSpec(clients=[T.ClientSpec(f"c{i}", rate=rate / clients, input_len="lognormal:400:0.8",
+    spec = S.SyntheticSpec(clients=[S.ClientSpec(f"c{i}", rate=rate / clients, input_len="lognormal:400:0.8",
                                                  output_len="lognormal:120:0.9", **kw) for i in range(clients)],
                            num_requests=n, seed=seed)
-    return T.synthetic(spec)
+    return S.synthetic(spec)
 
 
 def key(r):

@@ -1,4 +1,4 @@
-"""Trace readers, synthetic workloads and deterministic prompt ids (sim/traces.py)."""
+"""Trace readers, synthetic workloads and deterministic prompt ids (bench/traces.py)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from shepherd.bench.records import TraceRequest
-from shepherd.sim import traces as T
+from shepherd.bench import synthetic as S
+from shepherd.bench import traces as T
 
 DATA = Path(__file__).parent / "data"
 try:
@@ -109,13 +110,13 @@ def test_unique_prompts_differ_and_are_deterministic():
 
 
 def test_synthetic_clients_rates_prefix_and_sessions():
-    spec = T.SyntheticSpec(clients=[
-        T.ClientSpec("a", rate=2.0, input_len="fixed:100", output_len="fixed:10", system_prompt_tokens=50),
-        T.ClientSpec("b", rate=4.0, input_len="uniform:10:20", output_len="fixed:5", arrival="gamma", cv=2.0,
+    spec = S.SyntheticSpec(clients=[
+        S.ClientSpec("a", rate=2.0, input_len="fixed:100", output_len="fixed:10", system_prompt_tokens=50),
+        S.ClientSpec("b", rate=4.0, input_len="uniform:10:20", output_len="fixed:5", arrival="gamma", cv=2.0,
                      turns=3, think_time=1.0, system_prompt_tokens=30),
     ], duration=200.0, seed=7)
-    reqs = T.synthetic(spec)
-    assert reqs == T.synthetic(spec)                       # deterministic
+    reqs = S.synthetic(spec)
+    assert reqs == S.synthetic(spec)                       # deterministic
     a = [r for r in reqs if r.client == "a"]
     assert 300 < len(a) < 500                              # ~2 req/s over 200 s
     assert all(r.prompt_tokens == 150 for r in a)
@@ -135,9 +136,9 @@ def test_synthetic_clients_rates_prefix_and_sessions():
 
 
 def test_parse_clients():
-    cs = T.parse_clients("x=1.5,y=3")
+    cs = S.parse_clients("x=1.5,y=3")
     assert [(c.name, c.rate) for c in cs] == [("x", 1.5), ("y", 3.0)]
-    assert len(T.parse_clients("4@0.5")) == 4
+    assert len(S.parse_clients("4@0.5")) == 4
 
 
 @pytest.mark.skipif(not (SHARED / "azure_llm_2023").exists(), reason="shared data not mounted")

@@ -80,7 +80,7 @@ def build_workload(args):
     from shepherd.bench import loadgen
 
     if args.trace:
-        from shepherd.sim import traces
+        from shepherd.bench import traces
 
         reqs = traces.load_trace(args.trace, args.format, limit=args.limit, seed=args.seed)
         reqs = loadgen.reshape(reqs, rate=None if math.isinf(args.rate) else args.rate,

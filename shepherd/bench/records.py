@@ -40,7 +40,7 @@ class RequestRecord:
 @dataclass
 class TraceRequest:
     """One request of a workload, as read from a trace or drawn synthetically
-    (sim/traces.py). `arrival` is seconds from the start of the trace."""
+    (bench/traces.py). `arrival` is seconds from the start of the trace."""
     arrival: float
     prompt_tokens: int
     output_tokens: int

@@ -48,7 +48,7 @@ def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens,
     """Run the grid through sched_factory() + executor; return [(BatchShape, seconds)]."""
     from shepherd.request import Request, SamplingParams
     from shepherd.sim.cost_model import batch_shape
-    from shepherd.sim.traces import _stream, _seed_of
+    from shepherd.bench.traces import _stream, _seed_of
     samples = []
     n = 0
     n_steps = 0

@@ -48,7 +48,7 @@ from shepherd.config import SchedulerConfig
 from shepherd.engine.executor import StepResult
 from shepherd.request import FinishReason, Request, RequestState, SamplingParams
 from shepherd.sim.cost_model import CostModel, RooflineCostModel, make_cost_model
-from shepherd.sim.traces import prompt_token_ids
+from shepherd.bench.traces import prompt_token_ids
 
 # Policies whose choice reads no replica state, so routing can happen ahead of the
 # replicas catching up to the arrival time. session-affinity is not among them:

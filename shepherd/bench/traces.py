@@ -1,13 +1,19 @@
-"""Workloads: readers for real traces and synthetic generators (simulate and bench).
+"""Workloads: readers for real traces (simulate and bench); synthetic ones are in synthetic.py.
 
-    load_trace(path, fmt=None, *, limit=None, time_scale=1.0, rate=None, seed=0) -> list[TraceRequest]
+    iter_trace(path, fmt=None, *, limit=None, time_scale=1.0, rate=None, seed=0) -> Iterator[TraceRequest]
+    load_trace(...)                      the same, as a list (small traces, tests)
     read_azure(path, *, limit=None)      Azure LLM inference trace 2023 CSV (TIMESTAMP, ContextTokens, GeneratedTokens)
     read_mooncake(path, *, limit=None)   Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)
     read_servegen(path, *, limit=None)   ServeGen CSV (timestamp_s, client_id, input_tokens, output_tokens)
-    synthetic(SyntheticSpec(...))        Poisson/gamma arrivals, length distributions, shared system
-                                         prompts, multi-turn sessions, N clients with their own rates
+    iter_azure / iter_mooncake / iter_servegen   the lazy readers behind them
     apply_time(reqs, time_scale=1.0, rate=None) -> list[TraceRequest]
     prompt_token_ids(tr, vocab_size, block_size=512) -> list[int]
+
+Memory: the readers are generators: a trace of any length is read with a
+window of REORDER_WINDOW rows in memory (real traces are sorted by time, up to
+small local disorder, which the window absorbs; a row earlier than one already
+given out raises TraceFormatError). `rate` needs the trace's span, so it costs
+a first counting pass over the file.
 
 Times: every reader returns arrivals in seconds from the first request of the
 file (the first request arrives at 0), sorted by arrival (stable).
@@ -28,12 +34,12 @@ unique to the request (seeded by `index`). Ids avoid the lowest 256 ids
 from __future__ import annotations
 
 import csv
+import heapq
+import itertools
 import json
 import math
-import random
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -41,6 +47,7 @@ from shepherd.bench.records import TraceRequest
 
 FORMATS = ("azure", "mooncake", "servegen", "synthetic")
 RESERVED_IDS = 256
+REORDER_WINDOW = 4096
 
 
 class TraceFormatError(ValueError):
@@ -74,15 +81,38 @@ def _float_field(path, lineno, name, value) -> float:
     return v
 
 
-def _finish(reqs: list[TraceRequest]) -> list[TraceRequest]:
-    """Sort by arrival (stable), shift so the first arrival is 0, number them."""
-    reqs.sort(key=lambda r: r.arrival)
-    t0 = reqs[0].arrival if reqs else 0.0
-    for i, r in enumerate(reqs):
-        r.arrival = r.arrival - t0
+def _ordered(rows: Iterable[TraceRequest], path, limit: Optional[int] = None) -> Iterator[TraceRequest]:
+    """Sort by arrival (stable) within a window of REORDER_WINDOW rows, shift so
+    the first arrival is 0, number them; stop after `limit` rows of the file."""
+    if limit is not None:
+        rows = itertools.islice(rows, limit)
+    heap: list = []
+    t0: Optional[float] = None
+    last = -math.inf
+    i = 0
+    rows = iter(rows)
+    done = False
+    while True:
+        while not done and len(heap) <= REORDER_WINDOW:
+            r = next(rows, None)
+            if r is None:
+                done = True
+            else:
+                heapq.heappush(heap, (r.arrival, i + len(heap), r))
+        if not heap:
+            return
+        a, _, r = heapq.heappop(heap)
+        if a < last:
+            raise TraceFormatError(f"{path}: arrivals go back in time by more than {REORDER_WINDOW} rows "
+                                   f"({a} after {last}); sort the trace by time")
+        if t0 is None:
+            t0 = a
+        last = a
+        r.arrival = a - t0
         if r.index is None:
             r.index = i
-    return reqs
+        i += 1
+        yield r
 
 
 def _csv_rows(path, required: Sequence[str]):
@@ -126,27 +156,27 @@ def _parse_azure_ts(path, lineno, s: str) -> float:
         raise _err(path, lineno, f"TIMESTAMP not 'YYYY-MM-DD HH:MM:SS[.frac]': {s!r}") from None
 
 
-def read_azure(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
-    """Azure LLM inference trace 2023 (conv or code)."""
-    out = []
+def _azure_rows(path) -> Iterator[TraceRequest]:
     for lineno, row in _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens")):
-        if limit is not None and len(out) >= limit:
-            break
         t = _parse_azure_ts(path, lineno, row["TIMESTAMP"])
         p = _int_field(path, lineno, "ContextTokens", row["ContextTokens"], 1)
         o = _int_field(path, lineno, "GeneratedTokens", row["GeneratedTokens"], 0)
-        out.append(TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1)))
-    return _finish(out)
+        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1))
 
 
-def read_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -> list[TraceRequest]:
-    """Mooncake trace JSONL: timestamp (ms), input_length, output_length, hash_ids."""
-    out = []
+def iter_azure(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
+    """Azure LLM inference trace 2023 (conv or code)."""
+    return _ordered(_azure_rows(path), path, limit)
+
+
+def read_azure(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
+    return list(iter_azure(path, limit=limit))
+
+
+def _mooncake_rows(path, block_size: int) -> Iterator[TraceRequest]:
     path = Path(path)
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
             if not line.strip():
                 continue
             try:
@@ -168,184 +198,37 @@ def read_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -
                 if len(h) * block_size < p - block_size:
                     raise _err(path, lineno, f"{len(h)} hash_ids cover {len(h) * block_size} tokens, "
                                              f"fewer than input_length {p} allows")
-            out.append(TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
-                                    hash_ids=list(h) if h is not None else None))
-    return _finish(out)
+            yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
+                               hash_ids=list(h) if h is not None else None)
 
 
-def read_servegen(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
-    """ServeGen-derived multi-tenant CSV: timestamp_s, client_id, input_tokens, output_tokens."""
-    out = []
+def iter_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -> Iterator[TraceRequest]:
+    """Mooncake trace JSONL: timestamp (ms), input_length, output_length, hash_ids."""
+    return _ordered(_mooncake_rows(path, block_size), path, limit)
+
+
+def read_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -> list[TraceRequest]:
+    return list(iter_mooncake(path, limit=limit, block_size=block_size))
+
+
+def _servegen_rows(path) -> Iterator[TraceRequest]:
     for lineno, row in _csv_rows(path, ("timestamp_s", "client_id", "input_tokens", "output_tokens")):
-        if limit is not None and len(out) >= limit:
-            break
         t = _float_field(path, lineno, "timestamp_s", row["timestamp_s"])
         if not row["client_id"]:
             raise _err(path, lineno, "empty client_id")
         p = _int_field(path, lineno, "input_tokens", row["input_tokens"], 1)
         o = _int_field(path, lineno, "output_tokens", row["output_tokens"], 0)
-        out.append(TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
-                                client=f"client-{row['client_id']}"))
-    return _finish(out)
+        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
+                           client=f"client-{row['client_id']}")
 
 
-# --------------------------------------------------------------------------
-# synthetic
-# --------------------------------------------------------------------------
-
-@dataclass
-class LengthDist:
-    """A length distribution: 'fixed:N', 'uniform:A:B', 'normal:MEAN:STD',
-    'lognormal:MEAN:SIGMA' (mean of the distribution, sigma of the log), 'zipf:A:MAX',
-    or 'trace:FILE' (sample lengths from a trace; input or output chosen by use)."""
-    spec: str = "fixed:256"
-
-    def sampler(self, rng: random.Random, which: str = "input"):
-        kind, *args = self.spec.split(":")
-        try:
-            if kind == "fixed":
-                n = int(args[0])
-                return lambda: n
-            if kind == "uniform":
-                a, b = int(args[0]), int(args[1])
-                return lambda: rng.randint(a, b)
-            if kind == "normal":
-                mu, sd = float(args[0]), float(args[1])
-                return lambda: max(1, int(round(rng.gauss(mu, sd))))
-            if kind == "lognormal":
-                mean, sigma = float(args[0]), float(args[1])
-                mu = math.log(mean) - sigma * sigma / 2
-                return lambda: max(1, int(round(rng.lognormvariate(mu, sigma))))
-            if kind == "zipf":
-                a, mx = float(args[0]), int(args[1])
-                w = [1.0 / (k ** a) for k in range(1, mx + 1)]
-                cum = np.cumsum(w) / sum(w)
-                return lambda: int(np.searchsorted(cum, rng.random())) + 1
-            if kind == "trace":
-                reqs = load_trace(":".join(args))
-                vals = [r.prompt_tokens if which == "input" else r.output_tokens for r in reqs]
-                return lambda: rng.choice(vals)
-        except (IndexError, ValueError):
-            pass
-        raise ValueError(f"bad length distribution {self.spec!r} (fixed:N, uniform:A:B, normal:M:S, "
-                         f"lognormal:MEAN:SIGMA, zipf:A:MAX, trace:FILE)")
+def iter_servegen(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
+    """ServeGen-derived multi-tenant CSV: timestamp_s, client_id, input_tokens, output_tokens."""
+    return _ordered(_servegen_rows(path), path, limit)
 
 
-@dataclass
-class ClientSpec:
-    name: str = "default"
-    rate: float = 1.0                 # req/s
-    input_len: str = "fixed:256"
-    output_len: str = "fixed:256"
-    arrival: str = "poisson"          # poisson | gamma | constant
-    cv: float = 1.0                   # gamma: coefficient of variation of inter-arrival times (burstiness)
-    system_prompt_tokens: int = 0     # shared prefix among this client's requests
-    num_system_prompts: int = 1       # distinct system prompts, drawn uniformly
-    turns: int = 1                    # multi-turn sessions: turns per session (>1 turns share growing prefixes)
-    think_time: float = 10.0          # mean seconds between the turns of a session (exponential; 0 = together)
-    priority: int = 0
-
-
-@dataclass
-class SyntheticSpec:
-    clients: list[ClientSpec] = field(default_factory=lambda: [ClientSpec()])
-    num_requests: Optional[int] = None   # total cap (across clients), or
-    duration: Optional[float] = None     # generate arrivals in [0, duration)
-    seed: int = 0
-
-
-def _interarrival(rng: random.Random, c: ClientSpec) -> float:
-    if c.rate <= 0:
-        raise ValueError(f"client {c.name}: rate must be > 0")
-    if c.arrival == "poisson":
-        return rng.expovariate(c.rate)
-    if c.arrival == "gamma":
-        shape = 1.0 / (c.cv * c.cv)
-        return rng.gammavariate(shape, 1.0 / (c.rate * shape))
-    if c.arrival == "constant":
-        return 1.0 / c.rate
-    raise ValueError(f"client {c.name}: arrival must be poisson, gamma or constant, got {c.arrival!r}")
-
-
-def synthetic(spec: SyntheticSpec) -> list[TraceRequest]:
-    """Each client draws its own arrival process (of sessions, when turns > 1);
-    turn k+1 of a session arrives an exponential think time after turn k, and
-    its prompt is turn k's prompt + turn k's output length + new user tokens
-    (the prompt ids extend turn k's: prompt_token_ids follows the session's
-    stream after the shared system prompt)."""
-    if spec.num_requests is None and spec.duration is None:
-        raise ValueError("synthetic workload needs num_requests or duration")
-    total_rate = sum(c.rate for c in spec.clients)
-    horizon = spec.duration if spec.duration is not None else 1.5 * spec.num_requests / total_rate + 60
-    out: list[TraceRequest] = []
-    for ci, c in enumerate(spec.clients):
-        rng = random.Random(f"{spec.seed}/{ci}/{c.name}")
-        inp = LengthDist(c.input_len).sampler(rng, "input")
-        outp = LengthDist(c.output_len).sampler(rng, "output")
-        t = 0.0
-        sess = 0
-        while True:
-            t += _interarrival(rng, c)
-            if t >= horizon:
-                break
-            sys_group = None
-            sys_len = c.system_prompt_tokens
-            if sys_len:
-                sys_group = f"{c.name}/sys{rng.randrange(c.num_system_prompts)}"
-            # a session: turn k+1's prompt is turn k's prompt + its output + new user tokens
-            prompt_so_far = 0
-            tt = t
-            sess_id = f"{c.name}/s{sess}" if c.turns > 1 else None
-            sess += 1
-            for turn in range(max(1, c.turns)):
-                user = inp()
-                o = outp()
-                p = (sys_len + user) if turn == 0 else prompt_so_far + user
-                out.append(TraceRequest(arrival=tt, prompt_tokens=p, output_tokens=max(1, o), client=c.name,
-                                        prefix_group=sys_group, prefix_tokens=sys_len if sys_group else 0,
-                                        priority=c.priority, session=sess_id, turn=turn))
-                prompt_so_far = p + o
-                if turn + 1 < c.turns:
-                    tt += rng.expovariate(1.0 / c.think_time) if c.think_time > 0 else 0.0
-                    if tt >= horizon:
-                        break
-    out.sort(key=lambda r: (r.arrival, r.client))
-    if spec.num_requests is not None:
-        out = out[:spec.num_requests]
-    for i, r in enumerate(out):
-        r.index = i
-    return out
-
-
-def parse_clients(text: str, *, input_len="fixed:256", output_len="fixed:256", arrival="poisson",
-                  cv=1.0, system_prompt_tokens=0, turns=1) -> list[ClientSpec]:
-    """'a=1.5,b=3' -> two clients at 1.5 and 3 req/s; 'N@R' -> N clients each at R req/s."""
-    kw = dict(input_len=input_len, output_len=output_len, arrival=arrival, cv=cv,
-              system_prompt_tokens=system_prompt_tokens, turns=turns)
-    text = text.strip()
-    if "@" in text:
-        n, r = text.split("@")
-        return [ClientSpec(name=f"client-{i}", rate=float(r), **kw) for i in range(int(n))]
-    out = []
-    for part in text.split(","):
-        name, _, rate = part.partition("=")
-        out.append(ClientSpec(name=name.strip(), rate=float(rate), **kw))
-    return out
-
-
-def read_synthetic_spec(path) -> SyntheticSpec:
-    """A JSON file: {"seed": 0, "num_requests": N | "duration": S, "clients": [{ClientSpec fields}]}."""
-    path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise _err(path, e.lineno, f"not valid JSON ({e.msg})") from None
-    try:
-        clients = [ClientSpec(**c) for c in d.get("clients", [{}])]
-        return SyntheticSpec(clients=clients, num_requests=d.get("num_requests"), duration=d.get("duration"),
-                             seed=d.get("seed", 0))
-    except TypeError as e:
-        raise _err(path, 1, f"bad synthetic spec: {e}") from None
+def read_servegen(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
+    return list(iter_servegen(path, limit=limit))
 
 
 # --------------------------------------------------------------------------
@@ -386,24 +269,63 @@ def detect_format(path) -> str:
                            f"pass --format {'|'.join(FORMATS)}")
 
 
-def load_trace(path, fmt: Optional[str] = None, *, limit: Optional[int] = None, time_scale: float = 1.0,
-               rate: Optional[float] = None, seed: int = 0) -> list[TraceRequest]:
-    fmt = fmt or detect_format(path)
+def _reader(path, fmt: str, limit: Optional[int], seed: int) -> Iterator[TraceRequest]:
     if fmt == "azure":
-        reqs = read_azure(path, limit=limit)
-    elif fmt == "mooncake":
-        reqs = read_mooncake(path, limit=limit)
-    elif fmt == "servegen":
-        reqs = read_servegen(path, limit=limit)
-    elif fmt == "synthetic":
+        return iter_azure(path, limit=limit)
+    if fmt == "mooncake":
+        return iter_mooncake(path, limit=limit)
+    if fmt == "servegen":
+        return iter_servegen(path, limit=limit)
+    if fmt == "synthetic":
+        from shepherd.bench.synthetic import iter_synthetic, read_synthetic_spec
         spec = read_synthetic_spec(path)
         if limit is not None:
             spec.num_requests = min(limit, spec.num_requests or limit)
         spec.seed = spec.seed or seed
-        reqs = synthetic(spec)
-    else:
-        raise ValueError(f"unknown trace format {fmt!r}; one of {FORMATS}")
-    return apply_time(reqs, time_scale, rate)
+        return iter_synthetic(spec)
+    raise ValueError(f"unknown trace format {fmt!r}; one of {FORMATS}")
+
+
+def _count_span(path, fmt: str, limit: Optional[int], seed: int) -> tuple[int, float]:
+    """(requests, last arrival) in one streaming pass."""
+    n, last = 0, 0.0
+    for r in _reader(path, fmt, limit, seed):
+        n += 1
+        last = r.arrival
+    return n, last
+
+
+def iter_trace(path, fmt: Optional[str] = None, *, limit: Optional[int] = None, time_scale: float = 1.0,
+               rate: Optional[float] = None, seed: int = 0, repeat: int = 1) -> Iterator[TraceRequest]:
+    """The trace, lazily. `repeat` > 1 replays it that many times back to back
+    (copy k arrives k x (span + mean gap) later; indices stay unique)."""
+    fmt = fmt or detect_format(path)
+    if time_scale <= 0:
+        raise ValueError("time_scale must be > 0")
+    if rate is not None and rate <= 0:
+        raise ValueError("rate must be > 0")
+    if repeat < 1:
+        raise ValueError("repeat must be >= 1")
+    n, span = _count_span(path, fmt, limit, seed) if (rate is not None or repeat > 1) else (0, 0.0)
+    if rate is not None:
+        # mean rate over the trace = (n - 1) / span
+        time_scale = (n - 1) / span / rate if span > 0 else 1.0
+    period = span + (span / (n - 1) if n > 1 else 1.0)
+    return _replay(path, fmt, limit, seed, time_scale, repeat, n, period)
+
+
+def _replay(path, fmt, limit, seed, time_scale, repeat, n, period) -> Iterator[TraceRequest]:
+    for k in range(repeat):
+        for r in _reader(path, fmt, limit, seed):
+            r.arrival = (r.arrival + k * period) * time_scale
+            if k:
+                r.index += k * n
+            yield r
+
+
+def load_trace(path, fmt: Optional[str] = None, *, limit: Optional[int] = None, time_scale: float = 1.0,
+               rate: Optional[float] = None, seed: int = 0) -> list[TraceRequest]:
+    return list(iter_trace(path, fmt, limit=limit, time_scale=time_scale, rate=rate, seed=seed))
 
 
 # --------------------------------------------------------------------------
@@ -460,6 +382,6 @@ def prompt_token_ids(tr: TraceRequest, vocab_size: int, block_size: int = 512) -
     return ids
 
 
-__all__ = ["FORMATS", "TraceFormatError", "read_azure", "read_mooncake", "read_servegen", "synthetic",
-           "SyntheticSpec", "ClientSpec", "LengthDist", "parse_clients", "read_synthetic_spec", "apply_time",
-           "detect_format", "load_trace", "prompt_token_ids"]
+__all__ = ["FORMATS", "TraceFormatError", "read_azure", "read_mooncake", "read_servegen",
+           "iter_azure", "iter_mooncake", "iter_servegen", "apply_time", "detect_format", "iter_trace",
+           "load_trace", "prompt_token_ids"]

@@ -1,0 +1,252 @@
+"""Streaming statistics over RequestRecords: what summary.json and the plots
+need, in memory that does not grow with the token count of the run.
+
+    stats = RecordStats()
+    stats.add(record)            # as each request ends; the record can be dropped after
+    stats.summary(...)           # the dict of report.summarize
+    stats.sample                 # up to SAMPLE_RECORDS records (reservoir), for the timeline
+
+Per finished request a few floats are kept (TTFT, TPOT, E2E: exact
+percentiles for any run); inter-token latencies are pooled exactly up to
+ITL_RESERVOIR gaps and sampled uniformly beyond (a reservoir, seeded, so a
+run is reproducible). Rates over time (tokens, arrivals, finishes, service
+per client) go into TimeBins: fixed-count bins whose width doubles when the
+run outgrows them.
+"""
+from __future__ import annotations
+
+import math
+import random
+from array import array
+from collections import defaultdict
+from typing import Optional
+
+import numpy as np
+
+from shepherd.bench.records import RequestRecord
+
+INPUT_WEIGHT = 1.0
+OUTPUT_WEIGHT = 2.0
+ITL_RESERVOIR = 1 << 21
+SAMPLE_RECORDS = 300
+
+
+def tpot_of(r: RequestRecord) -> Optional[float]:
+    if r.output_tokens < 2 or r.first_token is None:
+        return None
+    last = r.token_times[-1] if r.token_times else r.finish
+    if last is None:
+        return None
+    n = len(r.token_times) if r.token_times else r.output_tokens
+    if n < 2:
+        return None
+    return (last - r.first_token) / (n - 1)
+
+
+def service_of(r: RequestRecord, input_weight: float = INPUT_WEIGHT, output_weight: float = OUTPUT_WEIGHT) -> float:
+    served_out = len(r.token_times) if r.token_times else (r.output_tokens if r.first_token is not None else 0)
+    served_in = r.prompt_tokens if r.first_token is not None else 0
+    return input_weight * served_in + output_weight * served_out
+
+
+class TimeBins:
+    """Named series of per-bin sums over time, all on one grid of at most
+    `max_bins` bins from t = 0; the width doubles (pairs merge) as needed."""
+
+    def __init__(self, width: float = 0.01, max_bins: int = 2048):
+        self.width = width
+        self.max_bins = max_bins
+        self.series: dict[str, np.ndarray] = {}
+
+    def _fit(self, t_max: float) -> None:
+        while t_max >= self.width * self.max_bins:
+            self.width *= 2
+            for k, v in self.series.items():
+                self.series[k] = np.concatenate([v.reshape(-1, 2).sum(axis=1), np.zeros(self.max_bins // 2)])
+
+    def add(self, name: str, times, weights=None) -> None:
+        t = np.asarray(times, dtype=np.float64)
+        if t.size == 0:
+            return
+        self._fit(float(t.max()))
+        idx = np.clip((t / self.width).astype(np.int64), 0, self.max_bins - 1)
+        s = self.series.get(name)
+        if s is None:
+            s = self.series[name] = np.zeros(self.max_bins)
+        s += np.bincount(idx, weights=weights, minlength=self.max_bins)
+
+    def add1(self, name: str, t: float, w: float = 1.0) -> None:
+        if t >= self.width * self.max_bins:
+            self._fit(t)
+        s = self.series.get(name)
+        if s is None:
+            s = self.series[name] = np.zeros(self.max_bins)
+        s[max(0, int(t / self.width))] += w
+
+    def get(self, name: str) -> np.ndarray:
+        s = self.series.get(name)
+        return s if s is not None else np.zeros(self.max_bins)
+
+    def edges(self) -> np.ndarray:
+        return np.arange(self.max_bins + 1) * self.width
+
+
+class _Client:
+    __slots__ = ("requests", "completed", "failed", "service", "input_tokens", "output_tokens",
+                 "ttft", "tpot", "e2e", "preemptions")
+
+    def __init__(self):
+        self.requests = self.completed = self.failed = self.preemptions = 0
+        self.service = 0.0
+        self.input_tokens = self.output_tokens = 0
+        self.ttft, self.tpot, self.e2e = array("d"), array("d"), array("d")
+
+
+class RecordStats:
+    def __init__(self, seed: int = 0, sample_records: int = SAMPLE_RECORDS):
+        self.n = 0
+        self.failures: dict[str, int] = defaultdict(int)
+        self.ttft, self.tpot, self.e2e = array("d"), array("d"), array("d")   # completed, aligned
+        self.itl = np.zeros(0)
+        self.itl_seen = 0
+        self.out_tok = self.in_tok = 0
+        self.preemptions = 0
+        self.start = math.inf
+        self.end = -math.inf
+        self.clients: dict[str, _Client] = {}
+        self.bins = TimeBins()
+        self.sample: list[RequestRecord] = []
+        self.sample_cap = sample_records
+        self._rng = random.Random(seed)
+        self._itl_rng = np.random.default_rng(seed)
+
+    # -- intake ------------------------------------------------------------------
+    def add(self, r: RequestRecord) -> None:
+        self.n += 1
+        c = self.clients.get(r.client)
+        if c is None:
+            c = self.clients[r.client] = _Client()
+        c.requests += 1
+        c.preemptions += r.preemptions
+        self.preemptions += r.preemptions
+        self.start = min(self.start, r.arrival)
+        for t in (r.finish, r.token_times[-1] if r.token_times else None):
+            if t is not None and t > self.end:
+                self.end = t
+        svc = service_of(r)
+        c.service += svc
+        self._add_bins(r)
+        if not r.ok:
+            c.failed += 1
+            self.failures[r.error_kind or "error"] += 1
+        elif r.finish is not None:
+            self._add_done(r, c)
+        self._add_sample(r)
+
+    def _add_done(self, r: RequestRecord, c: _Client) -> None:
+        tp = tpot_of(r)
+        ttft = r.ttft if r.first_token is not None else math.nan
+        self.ttft.append(ttft)
+        self.tpot.append(math.nan if tp is None else tp)
+        self.e2e.append(r.e2e)
+        c.completed += 1
+        if r.first_token is not None:
+            c.ttft.append(ttft)
+        if tp is not None:
+            c.tpot.append(tp)
+        c.e2e.append(r.e2e)
+        c.input_tokens += r.prompt_tokens
+        c.output_tokens += r.output_tokens
+        self.in_tok += r.prompt_tokens
+        self.out_tok += r.output_tokens
+        if len(r.token_times) > 1:
+            self._add_itl(np.diff(np.asarray(r.token_times, dtype=np.float64)))
+
+    def _add_itl(self, gaps: np.ndarray) -> None:
+        cap = ITL_RESERVOIR
+        seen = self.itl_seen
+        self.itl_seen += gaps.size
+        room = cap - self.itl.size
+        if room > 0:
+            take = gaps[:room]
+            self.itl = np.concatenate([self.itl, take])
+            gaps = gaps[take.size:]
+            seen += take.size
+        if gaps.size:
+            # reservoir (algorithm R), vectorised: gap j replaces slot r if r < cap, r uniform in [0, seen + j]
+            r = (self._itl_rng.random(gaps.size) * (seen + 1 + np.arange(gaps.size))).astype(np.int64)
+            keep = r < cap
+            self.itl[r[keep]] = gaps[keep]
+
+    def _add_bins(self, r: RequestRecord) -> None:
+        b = self.bins
+        c = r.client
+        b.add1("arrivals", r.arrival)
+        b.add1(f"arrive/{c}", r.arrival)
+        if r.finish is not None:
+            b.add1("finishes", r.finish)
+            b.add1(f"finish/{c}", r.finish)
+        if r.first_token is not None:
+            b.add1(f"service/{c}", r.first_token, INPUT_WEIGHT * r.prompt_tokens)
+        if r.token_times:
+            b.add("tokens", r.token_times)
+            b.add(f"service/{c}", r.token_times, np.full(len(r.token_times), OUTPUT_WEIGHT))
+
+    def _add_sample(self, r: RequestRecord) -> None:
+        keep = r if not r.token_times else _without_tokens(r)
+        if len(self.sample) < self.sample_cap:
+            self.sample.append(keep)
+            return
+        j = self._rng.randrange(self.n)
+        if j < self.sample_cap:
+            self.sample[j] = keep
+
+    # -- results -------------------------------------------------------------------
+    @property
+    def completed(self) -> int:
+        return len(self.e2e)
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failures.values())
+
+    def duration(self) -> float:
+        if self.n == 0:
+            return 0.0
+        end = self.end if self.end > -math.inf else self.start
+        return max(end - self.start, 0.0)
+
+    def goodput_count(self, slo_ttft: Optional[float], slo_tpot: Optional[float]) -> int:
+        if not self.e2e:
+            return 0
+        ok = np.ones(len(self.e2e), dtype=bool)
+        ttft = np.asarray(self.ttft)
+        tpot = np.asarray(self.tpot)
+        if slo_ttft is not None:
+            ok &= ~np.isnan(ttft) & (ttft <= slo_ttft)
+        if slo_tpot is not None:
+            ok &= np.isnan(tpot) | (tpot <= slo_tpot)
+        return int(ok.sum())
+
+    def backlog(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """(clients, alive[client, bin], service[client, bin]): alive = the client had a
+        request in the system at some time in the bin (arrived by its end, not finished
+        before its start)."""
+        names = sorted(self.clients)
+        b = self.bins
+        alive = np.zeros((len(names), b.max_bins), dtype=bool)
+        svc = np.zeros((len(names), b.max_bins))
+        for i, c in enumerate(names):
+            arrived = np.cumsum(b.get(f"arrive/{c}"))
+            gone_before = np.concatenate(([0.0], np.cumsum(b.get(f"finish/{c}"))[:-1]))
+            alive[i] = arrived - gone_before > 0
+            svc[i] = b.get(f"service/{c}")
+        return names, alive, svc
+
+
+def _without_tokens(r: RequestRecord) -> RequestRecord:
+    from dataclasses import replace
+    return replace(r, token_times=[])
+
+
+__all__ = ["RecordStats", "TimeBins", "service_of", "tpot_of", "INPUT_WEIGHT", "OUTPUT_WEIGHT"]
