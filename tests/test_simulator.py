@@ -38,6 +38,8 @@ def key(r):
 
 
 def run(trace, **kw):
+    # round-robin: routing reads no replica state, so replicas run ahead in long fast-forwards
+    kw.setdefault("router", "round-robin")
     sched = kw.pop("scheduler", SchedulerConfig())
     return simulate(trace, SimConfig(scheduler=sched, **kw))
 
@@ -96,7 +98,7 @@ def plain_loop(trace, sched_cfg, cost, kv, vocab):
     """A plain schedule/execute loop with the shared SimExecutor: the reference schedule."""
     from shepherd.scheduler.scheduler import Scheduler
     from shepherd.sim.sim_executor import SimExecutor
-    from shepherd.sim.simulator import _TokenMixin
+    from shepherd.sim.replica import _TokenMixin
 
     class Ex(_TokenMixin, SimExecutor):
         pass

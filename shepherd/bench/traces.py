@@ -360,28 +360,44 @@ def _seed_of(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
+def prompt_segments(tr: TraceRequest, block_size: int = 512) -> list[tuple[str, int, int]]:
+    """The prompt as (stream key, start, length) pieces, in order: Mooncake blocks,
+    else the shared group prefix, then the session's stream, then the request's
+    own stream. Equal keys at equal positions mean equal tokens; the prefix
+    cache bounds (sim/cache_bounds.py) read the sharing from here."""
+    n = tr.prompt_tokens
+    segs: list[tuple[str, int, int]] = []
+    have = 0
+    if tr.hash_ids:
+        for h in tr.hash_ids:
+            if have >= n:
+                break
+            k = min(block_size, n - have)
+            segs.append((f"block/{h}", 0, k))
+            have += k
+    elif tr.prefix_group and tr.prefix_tokens:
+        have = min(tr.prefix_tokens, n)
+        segs.append((f"group/{tr.prefix_group}", 0, have))
+    if tr.session and have < n:
+        # the rest of the prompt comes from the session's stream: a later turn extends an earlier one
+        segs.append((f"session/{tr.session}", 0, n - have))
+        have = n
+    if have < n:
+        key = tr.index if tr.index is not None else f"{tr.arrival!r}/{tr.prompt_tokens}/{tr.output_tokens}/{tr.client}"
+        segs.append((f"req/{key}", have, n - have))
+    return segs
+
+
 def prompt_token_ids(tr: TraceRequest, vocab_size: int, block_size: int = 512) -> list[int]:
     """Deterministic prompt of exactly tr.prompt_tokens ids (see module doc)."""
     if tr.prompt_ids is not None:
         return list(tr.prompt_ids)
-    n = tr.prompt_tokens
     ids: list[int] = []
-    if tr.hash_ids:
-        for h in tr.hash_ids:
-            if len(ids) >= n:
-                break
-            ids.extend(_stream(_seed_of(f"block/{h}"), 0, min(block_size, n - len(ids)), vocab_size))
-    elif tr.prefix_group and tr.prefix_tokens:
-        ids = _stream(_seed_of(f"group/{tr.prefix_group}"), 0, min(tr.prefix_tokens, n), vocab_size)
-    if tr.session and len(ids) < n:
-        # the rest of the prompt comes from the session's stream: a later turn extends an earlier one
-        ids.extend(_stream(_seed_of(f"session/{tr.session}"), 0, n - len(ids), vocab_size))
-    if len(ids) < n:
-        key = tr.index if tr.index is not None else f"{tr.arrival!r}/{tr.prompt_tokens}/{tr.output_tokens}/{tr.client}"
-        ids.extend(_stream(_seed_of(f"req/{key}"), len(ids), n - len(ids), vocab_size))
+    for key, start, n in prompt_segments(tr, block_size):
+        ids.extend(_stream(_seed_of(key), start, n, vocab_size))
     return ids
 
 
 __all__ = ["FORMATS", "TraceFormatError", "read_azure", "read_mooncake", "read_servegen",
            "iter_azure", "iter_mooncake", "iter_servegen", "apply_time", "detect_format", "iter_trace",
-           "load_trace", "prompt_token_ids"]
+           "load_trace", "prompt_token_ids", "prompt_segments"]

@@ -64,6 +64,11 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--shared-prefix", type=int, default=0, help="synthetic: shared system prompt tokens")
     w.add_argument("--turns", type=int, default=1, help="synthetic: turns per session (rates are of sessions)")
     w.add_argument("--think-time", type=float, default=10.0, help="synthetic: mean seconds between turns")
+    w.add_argument("--diurnal", type=float, default=0.0,
+                   help="synthetic: daily swing of the rate, 0..1 (rate x (1 - A cos(2 pi t / 86400)))")
+    w.add_argument("--prefix-groups", type=int, default=1,
+                   help="synthetic: distinct shared system prompts (with --shared-prefix)")
+    w.add_argument("--repeat", type=int, default=1, help="with --trace: replay the trace N times back to back")
     w.add_argument("--seed", type=int, default=0)
 
 
@@ -74,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpu", default="h100", help="h100 | h200 | a100-80gb | a10g | cpu")
     c.add_argument("--tp", type=int, default=1, choices=[1, 2, 4, 8], help="tensor parallel per replica")
     c.add_argument("--replicas", type=int, default=1)
-    c.add_argument("--router", default="round-robin", help="routing policy (shepherd/gateway/routing.py)")
+    c.add_argument("--router", default="least-request",
+                   help="routing policy (shepherd/gateway/routing.py); default least-request, as `shepherd gateway`")
     c.add_argument("--router-knob", action="append", default=[], metavar="K=V", help="routing policy knob")
     c.add_argument("--cost-model", default=None,
                    help="roofline (default), vidur, splitwise, or a JSON file from `shepherd calibrate`")
@@ -108,38 +114,61 @@ def scheduler_config(args) -> SchedulerConfig:
 
 
 def build_workload(args):
-    from shepherd.sim import traces as T
+    """(requests, count or None): a lazy iterator in arrival order; memory does not
+    grow with the trace's length or with --rate x --num-requests."""
+    from shepherd.bench import synthetic as S
+    from shepherd.bench import traces as T
     if args.trace:
-        return T.load_trace(args.trace, args.format, limit=args.limit, time_scale=args.time_scale,
-                            rate=args.rate, seed=args.seed)
+        return T.iter_trace(args.trace, args.format, limit=args.limit, time_scale=args.time_scale,
+                            rate=args.rate, seed=args.seed, repeat=args.repeat), None
     if args.clients:
-        clients = T.parse_clients(args.clients, input_len=args.input_len, output_len=args.output_len,
+        clients = S.parse_clients(args.clients, input_len=args.input_len, output_len=args.output_len,
                                   arrival=args.arrival, cv=args.burstiness,
                                   system_prompt_tokens=args.shared_prefix, turns=args.turns)
-        for c in clients:
-            c.think_time = args.think_time
     elif args.rate:
-        clients = [T.ClientSpec("default", rate=args.rate, input_len=args.input_len, output_len=args.output_len,
+        clients = [S.ClientSpec("default", rate=args.rate, input_len=args.input_len, output_len=args.output_len,
                                 arrival=args.arrival, cv=args.burstiness, system_prompt_tokens=args.shared_prefix,
-                                turns=args.turns, think_time=args.think_time)]
+                                turns=args.turns)]
     else:
         raise SystemExit("shepherd simulate: give --trace FILE, or --rate R / --clients SPEC for a synthetic workload")
+    for c in clients:
+        c.think_time = args.think_time
+        c.diurnal = args.diurnal
+        c.num_system_prompts = args.prefix_groups
     n = args.num_requests if args.num_requests is not None else args.limit
     if n is None and args.duration is None:
         n = 1000
-    reqs = T.synthetic(T.SyntheticSpec(clients=clients, num_requests=n, duration=args.duration, seed=args.seed))
-    return T.apply_time(reqs, args.time_scale)
+    spec = S.SyntheticSpec(clients=clients, num_requests=n, duration=args.duration, seed=args.seed)
+    reqs = S.iter_synthetic(spec)
+    if args.time_scale != 1.0:
+        reqs = _scaled(reqs, args.time_scale)
+    return reqs, n if args.duration is None else None
+
+
+def _scaled(reqs, k: float):
+    if k <= 0:
+        raise ValueError("time_scale must be > 0")
+    for r in reqs:
+        r.arrival *= k
+        yield r
+
+
+def run_title(args) -> str:
+    """Every plot's title: the workload, router, replicas and model."""
+    name = args.title or (Path(args.trace).stem if args.trace else "synthetic")
+    return (f"{name}: router {args.router}, {args.replicas} replica{'s' if args.replicas != 1 else ''}, "
+            f"{args.model} on {args.gpu}" + (f" x tp{args.tp}" if args.tp > 1 else ""))
 
 
 def main(args) -> int:
     from shepherd.bench.report import format_table, write_report
     from shepherd.sim.cost_model import make_cost_model
     from shepherd.sim.simulator import SimConfig, Simulator
-    from shepherd.sim.traces import TraceFormatError
+    from shepherd.bench.traces import TraceFormatError
 
     try:
         sched = scheduler_config(args)
-        workload = build_workload(args)
+        workload, total = build_workload(args)
     except (TraceFormatError, ValueError, ConfigError, FileNotFoundError) as e:
         print(f"shepherd simulate: {e}", file=sys.stderr)
         return 2
@@ -154,7 +183,7 @@ def main(args) -> int:
                     router_knobs=knobs, scheduler=sched, kv_capacity=args.max_total_tokens,
                     mem_fraction=args.mem_fraction, host_kv_tokens=args.host_kv_tokens,
                     max_model_len=args.max_model_len, max_tokens=args.max_tokens, fast=not args.slow,
-                    seed=args.seed, progress=not args.no_progress)
+                    seed=args.seed, progress=not args.no_progress, keep_records=False)
     try:
         cost = make_cost_model(args.model, args.gpu, tp=args.tp, cost_model=args.cost_model)
         sim = Simulator(cfg, cost)
@@ -163,27 +192,43 @@ def main(args) -> int:
     except (KeyError, ValueError, ConfigError, FileNotFoundError) as e:
         print(f"shepherd simulate: {e}", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    result = sim.run(workload)
+    try:
+        with RecordWriter(out / "records.jsonl" if args.records else None) as writer:
+            result = sim.run(workload, total=total, on_record=writer.write)
+    except (TraceFormatError, ValueError, FileNotFoundError) as e:
+        print(f"shepherd simulate: {e}", file=sys.stderr)
+        return 2
     wall = time.perf_counter() - t0
     summary = result.summary(slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                             extra={"trace": args.trace, "workload_requests": len(workload)})
+                             extra={"trace": args.trace, "workload_requests": result.stats.n})
     summary["wall_s"] = wall
-    out = Path(args.out)
-    write_report(out, summary, result.records, result.timeseries, plots=not args.no_plots,
-                 title=args.title or (Path(args.trace).stem if args.trace else "synthetic"))
-    if args.records:
-        write_records(out / "records.jsonl", result.records)
+    write_report(out, summary, result.stats, result.timeseries, plots=not args.no_plots, title=run_title(args))
     print(format_table(summary))
-    print(f"simulated {len(workload)} requests, {result.steps:,} steps ({result.fast_steps:,} fast-forwarded) "
+    print(f"simulated {result.stats.n} requests, {result.steps:,} steps ({result.fast_steps:,} fast-forwarded) "
           f"in {wall:.2f} s wall; cost model {result.cost_model}; wrote {out}/")
     return 0
 
 
-def write_records(path, records) -> None:
-    from dataclasses import asdict
-    with open(path, "w") as f:
-        for r in records:
-            d = asdict(r)
-            d["intervals"] = [list(iv) for iv in d["intervals"]]
-            f.write(json.dumps(d, separators=(",", ":")) + "\n")
+class RecordWriter:
+    """records.jsonl, one line per request as it ends (every token time; large)."""
+
+    def __init__(self, path):
+        self.f = open(path, "w") if path is not None else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.f is not None:
+            self.f.close()
+
+    def write(self, r) -> None:
+        if self.f is None:
+            return
+        from dataclasses import asdict
+        d = asdict(r)
+        d["intervals"] = [list(iv) for iv in d["intervals"]]
+        self.f.write(json.dumps(d, separators=(",", ":")) + "\n")

@@ -1,0 +1,408 @@
+"""One simulated replica: the real Scheduler, a SimExecutor with the cost
+model's step times, a virtual clock; and the per-request tracking that turns
+its outputs into RequestRecords. The loop and the fast path are described in
+sim/simulator.py.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shepherd.bench.records import RequestRecord
+from shepherd.config import SchedulerConfig
+from shepherd.engine.executor import StepResult
+from shepherd.request import FinishReason, Request, RequestState
+
+if TYPE_CHECKING:
+    from shepherd.sim.simulator import Simulator
+
+TS_POINTS = 2048     # time-series points kept per replica (thinned by halves beyond)
+
+
+# --------------------------------------------------------------------------
+# per-request tracking
+# --------------------------------------------------------------------------
+
+class Track:
+    __slots__ = ("rec", "req", "state", "since", "pieces", "ntok", "seen_preempt", "route", "target")
+
+    def __init__(self, rec: RequestRecord, req: Request, target: int):
+        self.rec = rec
+        self.req = req
+        self.state = "queued"
+        self.since = rec.arrival
+        self.pieces: list = []        # floats (one token) and numpy views (a fast-forward chunk)
+        self.ntok = 0
+        self.seen_preempt = 0
+        self.route = None
+        self.target = target          # the trace's output length (EOS position)
+
+    def move(self, state: str, t: float) -> None:
+        if state == self.state:
+            return
+        if t > self.since or self.state != "queued":
+            self.rec.intervals.append((self.state, self.since, t))
+        self.state = state
+        self.since = t
+
+    def close(self) -> RequestRecord:
+        """The finished (or abandoned) request's record, filled in; the track lets go
+        of the request and its token times, so only the record outlives it."""
+        rec = self.rec
+        rec.token_times = self.token_times()
+        rec.output_tokens = self.ntok
+        if self.req is not None:
+            rec.cached_tokens = self.req.num_cached
+            rec.preemptions = self.req.preemptions
+        if rec.finish is None and rec.ok:
+            rec.ok = False
+            rec.error_kind = "unfinished"
+        self.req = None
+        self.pieces = []
+        return rec
+
+    def token_times(self) -> list[float]:
+        out: list[float] = []
+        for p in self.pieces:
+            if isinstance(p, float):
+                out.append(p)
+            elif isinstance(p, list):
+                out.extend(p)
+            else:
+                out.extend(p.tolist())
+        return out
+
+
+# --------------------------------------------------------------------------
+# executor: the shared SimExecutor when present, else a minimal stand-in
+# --------------------------------------------------------------------------
+
+class _TokenMixin:
+    """Sampled tokens for the simulator, vectorisable: output token at position
+    `pos` of a request is 3 + (a * 1000003 + pos * 7919 + 12345) mod (V - 3), a =
+    the prompt's last token (the SimExecutor's recurrence with the prompt's last
+    token in place of the previous output token, so k tokens cost one expression;
+    two requests with the same prompt still generate the same text). EOS only
+    at the request's target length, as in SimExecutor."""
+
+    def next_token(self, req) -> int:
+        idx = len(req.output_ids)
+        t = self.target_len(req)
+        if t is not None and idx + 1 >= t:
+            return self.eos_token_id
+        return self._tok(req, len(req.prompt_ids) + idx)
+
+    def _tok(self, req, pos: int) -> int:
+        m = self.vocab_size - 3
+        tok = 3 + (req.prompt_ids[-1] * 1000003 + pos * 7919 + 12345) % m
+        bad = req.params.stop_token_ids
+        while tok == self.eos_token_id or (bad and tok in bad):
+            tok = 3 + (tok - 3 + 1) % m
+        return tok
+
+    def token_block(self, req, k: int) -> list[int]:
+        """The next k tokens (the caller guarantees none is the EOS position)."""
+        pos = len(req.prompt_ids) + len(req.output_ids)
+        if req.params.stop_token_ids or self.eos_token_id >= 3:
+            return [self._tok(req, p) for p in range(pos, pos + k)]
+        m = self.vocab_size - 3
+        a = req.prompt_ids[-1] * 1000003 + 12345
+        if k < 48:
+            return [3 + (a + p * 7919) % m for p in range(pos, pos + k)]
+        return (3 + (a + np.arange(pos, pos + k, dtype=np.int64) * 7919) % m).tolist()
+
+
+def _make_executor(sim: "Simulator"):
+    from shepherd.sim.sim_executor import SimExecutor
+
+    class _SimExec(_TokenMixin, SimExecutor):
+        pass
+
+    # swap time is in the cost model's step time (PCIe transfer), not the executor's flat rate
+    return _SimExec(kv_capacity=sim.kv_capacity, host_kv_capacity=sim.host_kv, max_model_len=sim.max_model_len,
+                    eos_token_id=2, step_time=sim.cost.step_time, swap_time_per_token=0.0,
+                    vocab_size=sim.vocab, check=False)
+
+
+# --------------------------------------------------------------------------
+# replica
+# --------------------------------------------------------------------------
+
+class Series:
+    """A thinned time series: at most TS_POINTS points; when full, every other
+    point goes and the minimum spacing doubles, so memory is flat however long
+    the run."""
+    __slots__ = ("t", "cols", "gap")
+
+    def __init__(self, ncols: int):
+        self.t: list[float] = []
+        self.cols: list[list] = [[] for _ in range(ncols)]
+        self.gap = 0.0
+
+    def add(self, t: float, *vals) -> None:
+        if self.t and t - self.t[-1] < self.gap:
+            return
+        self.t.append(t)
+        for c, v in zip(self.cols, vals):
+            c.append(v)
+        if len(self.t) >= TS_POINTS:
+            self.t = self.t[::2]
+            self.cols = [c[::2] for c in self.cols]
+            self.gap = 2 * (self.t[-1] - self.t[0]) / TS_POINTS
+
+
+def probe(sched) -> tuple[int, int, int, int, int]:
+    """(kv_used, kv_cached, running, waiting+swapped, preemptions) cheaply: the
+    scheduler's internals when they are there (stats() copies a dataclass and
+    walks the running set), else stats(). The one place the simulator reads
+    scheduler internals; a public snapshot replaces it."""
+    try:
+        tree = sched.tree
+        cached = tree.evictable_size if tree is not None else 0
+        used = sched.capacity - sched.pool.free_tokens - cached
+        return (used, cached, len(sched._running), len(sched._waiting) + len(sched._swapped),
+                sched._stats.preemptions)
+    except AttributeError:
+        st = sched.stats()
+        return st.kv_used, st.kv_evictable, st.num_running, st.num_waiting + st.num_swapped, st.preemptions
+
+
+def count_evictions(sched) -> list[int]:
+    """A one-element list that counts the tokens the prefix cache evicts. The
+    scheduler keeps no such count, so the cache's evict is wrapped here (a
+    SchedulerStats counter would replace this)."""
+    box = [0]
+    tree = getattr(sched, "tree", None)
+    if tree is None:
+        return box
+    evict = tree.evict
+
+    def counted(num_tokens: int) -> int:
+        freed = evict(num_tokens)
+        box[0] += freed
+        return freed
+    tree.evict = counted
+    return box
+
+
+class Replica:
+    def __init__(self, idx: int, sim: "Simulator"):
+        from shepherd.scheduler.scheduler import Scheduler
+        self.idx = idx
+        self.sim = sim
+        cfg = sim.cfg
+        self.cost = sim.cost
+        self.kv_capacity = sim.kv_capacity
+        self.exec = _make_executor(sim)
+        sc = SchedulerConfig(**{**cfg.scheduler.__dict__, "max_total_tokens": sim.kv_capacity})
+        self.sched = Scheduler(sc, host_kv_capacity=sim.host_kv, max_model_len=sim.max_model_len)
+        self.evicted = count_evictions(self.sched)
+        self.clock = 0.0
+        self.tracks: dict[str, Track] = {}
+        self.fast = cfg.fast and hasattr(self.sched, "decode_horizon") and hasattr(self.sched, "fast_forward")
+        self.ts = Series(4) if cfg.timeseries else None     # kv_used, kv_cached, running, waiting
+        self.kv_peak = 0
+        self.cached_peak = 0
+        self.steps = 0
+        self.fast_steps = 0
+        self.last_preempt = 0
+        self.batches = [] if cfg.record_batches else None
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+
+    def counters(self) -> dict:
+        return {"replica": self.idx, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                "output_tokens": self.output_tokens, "kv_peak_used_tokens": self.kv_peak,
+                "cached_peak_tokens": self.cached_peak, "evicted_tokens": self.evicted[0],
+                "steps": self.steps}
+
+    # -- intake ------------------------------------------------------------
+    def add(self, tr: Track, now: float) -> bool:
+        if self.clock < now:
+            # advance_to(now) ran every step that starts before now: the replica is idle
+            # (or stalled on memory) until this arrival
+            self.clock = now
+        if not tr.req.params.ignore_eos:
+            self.exec.set_output_len(tr.req.req_id, tr.target)
+        self.sched.add(tr.req, now)
+        self.tracks[tr.req.req_id] = tr
+        self.requests += 1
+        self.prompt_tokens += tr.rec.prompt_tokens
+        return True
+
+    # -- the loop ------------------------------------------------------------
+    def advance_to(self, t_limit: float) -> None:
+        sched = self.sched
+        while self.clock < t_limit and sched.has_work:
+            if self.fast and self._fast_forward(t_limit):
+                continue
+            if not self._step():
+                break
+
+    def _sample_ts(self) -> None:
+        used, cached, nrun, nwait, _ = probe(self.sched)
+        if used > self.kv_peak:
+            self.kv_peak = used
+        if cached > self.cached_peak:
+            self.cached_peak = cached
+        if self.ts is not None:
+            self.ts.add(self.clock, used, cached, nrun, nwait)
+
+    def _check_preempted(self, t: float) -> None:
+        npre = probe(self.sched)[4]
+        if npre == self.last_preempt:
+            return
+        self.last_preempt = npre
+        for tr in self.tracks.values():
+            req = tr.req
+            if req.preemptions != tr.seen_preempt:
+                tr.seen_preempt = req.preemptions
+                if req.state is not RequestState.RUNNING:
+                    tr.move("preempted", t)
+
+    def _step(self) -> bool:
+        sched = self.sched
+        t0 = self.clock
+        batch = sched.schedule(t0)
+        self._check_preempted(t0)
+        if batch.empty:
+            # schedule() can end a request without running anything (an error such as a
+            # request that alone outgrows the pool); on_step hands out that terminal output.
+            self._handle_outputs(sched.on_step(batch, StepResult(), t0), t0)
+            self._sample_ts()
+            return False
+        tracks = self.tracks
+        for s in batch.seqs:
+            tr = tracks.get(s.req.req_id)
+            if tr is not None and tr.state in ("queued", "preempted"):
+                tr.move("prefill", t0)
+        res = self.exec.execute(batch)
+        t1 = t0 + res.step_time
+        self.clock = t1
+        if self.batches is not None:
+            self.batches.append((self.idx, t0, [(s.req.req_id, s.start_pos, len(s.token_ids)) for s in batch.seqs]))
+        outs = sched.on_step(batch, res, t1)
+        self.steps += 1
+        self._handle_outputs(outs, t1)
+        self._sample_ts()
+        return True
+
+    def _handle_outputs(self, outs, t1: float) -> None:
+        tracks = self.tracks
+        for o in outs:
+            tr = tracks.get(o.req_id)
+            if tr is None:
+                continue
+            n = len(o.new_token_ids)
+            if n:
+                if n == 1:
+                    tr.pieces.append(t1)
+                else:
+                    tr.pieces.extend([t1] * n)
+                tr.ntok += n
+                if tr.rec.first_token is None:
+                    tr.rec.first_token = t1
+                if tr.state != "decode":
+                    tr.move("decode", t1)
+            if o.finished:
+                self._finish(tr, o, t1)
+
+    def _finish(self, tr: Track, o, t: float) -> None:
+        rec = tr.rec
+        tr.move("done", t)
+        rec.intervals = [iv for iv in rec.intervals if iv[0] != "done"]
+        rec.finish = t
+        if o.finish_reason is FinishReason.ERROR or o.error:
+            rec.ok = False
+            rec.error_kind = "error"
+        rid = tr.req.req_id
+        del self.tracks[rid]
+        # the executor's per-request entries would otherwise outlive the request
+        self.exec.output_lens.pop(rid, None)
+        self.exec.tokens_by_req.pop(rid, None)
+        self.output_tokens += tr.ntok
+        self.sim.on_finish(self, tr)
+
+    # -- fast path ---------------------------------------------------------------
+    def _fast_forward(self, t_limit: float) -> bool:
+        sched = self.sched
+        now = self.clock
+        h = sched.decode_horizon(now)
+        if h < 2:
+            return False
+        running = sched.running if hasattr(sched, "running") else None
+        if not running:
+            return False
+        n = len(running)
+        ctx0 = 0
+        stop = h
+        exe = self.exec
+        tracks = self.tracks
+        for req in running:
+            ctx0 += len(req.prompt_ids) + len(req.output_ids)
+            # the step that samples a request's last token (EOS or max_tokens) goes the normal way
+            left = tracks[req.req_id].target - len(req.output_ids) - 1
+            if left < stop:
+                stop = left
+        k = stop
+        if t_limit != math.inf:
+            # steps never get shorter as contexts grow: at most this many start before t_limit
+            d0 = self.cost.decode_step_lb(n, ctx0)
+            if d0 > 0:
+                kmax = int((t_limit - now) / d0) + 2
+                if kmax < k:
+                    k = kmax
+        if k < 2:
+            return False
+        if k <= 24:
+            # short runs: a Python loop beats numpy's call overhead (same IEEE operations)
+            f = self.cost.decode_step_time
+            ends = []
+            t = now
+            c = ctx0
+            for _ in range(k):
+                if t >= t_limit:      # this step would start at or after the next arrival
+                    break
+                t += f(n, c)
+                c += n
+                ends.append(t)
+            k = len(ends)
+        else:
+            d = self.cost.decode_step_times(n, ctx0, k)
+            ends = np.add.accumulate(np.concatenate(([now], d)))[1:]
+            if ends.size > 1 and ends[-2] >= t_limit:
+                # steps must start before t_limit: step j starts at ends[j-1] (step 0 at now < t_limit)
+                k = int(np.searchsorted(ends, t_limit, side="left")) + 1
+                ends = ends[:k]
+        if k < 2:
+            return False
+        block = exe.token_block
+        tokens = {req.req_id: block(req, k) for req in running}
+        if self.batches is not None:
+            for j in range(k):
+                t0 = now if j == 0 else float(ends[j - 1])
+                self.batches.append((self.idx, t0, [(r.req_id, len(r.prompt_ids) + len(r.output_ids) - 1 + j, 1)
+                                                    for r in running]))
+        members = list(running)
+        t_end = float(ends[-1])
+        outs = sched.fast_forward(k, tokens, t_end)
+        self.clock = t_end
+        self.steps += k
+        self.fast_steps += k
+        view = ends
+        for req in members:
+            tr = tracks[req.req_id]
+            tr.pieces.append(view)
+            tr.ntok += k
+        for o in outs:
+            if o.finished:
+                tr = tracks.get(o.req_id)
+                if tr is not None:
+                    self._finish(tr, o, t_end)
+        self._sample_ts()
+        return True
+
+
