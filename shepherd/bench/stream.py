@@ -64,16 +64,25 @@ class TimeBins:
             for k, v in self.series.items():
                 self.series[k] = np.concatenate([v.reshape(-1, 2).sum(axis=1), np.zeros(self.max_bins // 2)])
 
-    def add(self, name: str, times, weights=None) -> None:
+    def add(self, name: str, times, weights=None) -> Optional[np.ndarray]:
         t = np.asarray(times, dtype=np.float64)
         if t.size == 0:
-            return
+            return None
         self._fit(float(t.max()))
         idx = np.clip((t / self.width).astype(np.int64), 0, self.max_bins - 1)
         s = self.series.get(name)
         if s is None:
             s = self.series[name] = np.zeros(self.max_bins)
-        s += np.bincount(idx, weights=weights, minlength=self.max_bins)
+        counts = np.bincount(idx, weights=weights, minlength=self.max_bins)
+        s += counts
+        return counts
+
+    def add_counts(self, name: str, counts: np.ndarray) -> None:
+        """Add per-bin sums made on the current grid (add's return value)."""
+        s = self.series.get(name)
+        if s is None:
+            s = self.series[name] = np.zeros(self.max_bins)
+        s += counts
 
     def add1(self, name: str, t: float, w: float = 1.0) -> None:
         if t >= self.width * self.max_bins:
@@ -107,7 +116,8 @@ class RecordStats:
         self.n = 0
         self.failures: dict[str, int] = defaultdict(int)
         self.ttft, self.tpot, self.e2e = array("d"), array("d"), array("d")   # completed, aligned
-        self.itl = np.zeros(0)
+        self._itl = np.zeros(1024)      # grows by doubling up to ITL_RESERVOIR
+        self._itl_n = 0
         self.itl_seen = 0
         self.out_tok = self.in_tok = 0
         self.preemptions = 0
@@ -162,21 +172,31 @@ class RecordStats:
         if len(r.token_times) > 1:
             self._add_itl(np.diff(np.asarray(r.token_times, dtype=np.float64)))
 
+    @property
+    def itl(self) -> np.ndarray:
+        """The pooled inter-token gaps (all of them, or a uniform sample of ITL_RESERVOIR)."""
+        return self._itl[:self._itl_n]
+
     def _add_itl(self, gaps: np.ndarray) -> None:
         cap = ITL_RESERVOIR
         seen = self.itl_seen
         self.itl_seen += gaps.size
-        room = cap - self.itl.size
-        if room > 0:
-            take = gaps[:room]
-            self.itl = np.concatenate([self.itl, take])
-            gaps = gaps[take.size:]
-            seen += take.size
+        n = self._itl_n
+        take = min(cap - n, gaps.size)
+        if take > 0:
+            if n + take > self._itl.size:
+                grown = np.zeros(min(cap, max(2 * self._itl.size, n + take)))
+                grown[:n] = self._itl[:n]
+                self._itl = grown
+            self._itl[n:n + take] = gaps[:take]
+            self._itl_n = n + take
+            gaps = gaps[take:]
+            seen += take
         if gaps.size:
             # reservoir (algorithm R), vectorised: gap j replaces slot r if r < cap, r uniform in [0, seen + j]
             r = (self._itl_rng.random(gaps.size) * (seen + 1 + np.arange(gaps.size))).astype(np.int64)
             keep = r < cap
-            self.itl[r[keep]] = gaps[keep]
+            self._itl[r[keep]] = gaps[keep]
 
     def _add_bins(self, r: RequestRecord) -> None:
         b = self.bins
@@ -189,17 +209,16 @@ class RecordStats:
         if r.first_token is not None:
             b.add1(f"service/{c}", r.first_token, INPUT_WEIGHT * r.prompt_tokens)
         if r.token_times:
-            b.add("tokens", r.token_times)
-            b.add(f"service/{c}", r.token_times, np.full(len(r.token_times), OUTPUT_WEIGHT))
+            counts = b.add("tokens", r.token_times)
+            b.add_counts(f"service/{c}", counts * OUTPUT_WEIGHT)
 
     def _add_sample(self, r: RequestRecord) -> None:
-        keep = r if not r.token_times else _without_tokens(r)
         if len(self.sample) < self.sample_cap:
-            self.sample.append(keep)
+            self.sample.append(_without_tokens(r))
             return
         j = self._rng.randrange(self.n)
         if j < self.sample_cap:
-            self.sample[j] = keep
+            self.sample[j] = _without_tokens(r)
 
     # -- results -------------------------------------------------------------------
     @property
@@ -245,6 +264,8 @@ class RecordStats:
 
 
 def _without_tokens(r: RequestRecord) -> RequestRecord:
+    if not r.token_times:
+        return r
     from dataclasses import replace
     return replace(r, token_times=[])
 

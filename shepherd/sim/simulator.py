@@ -50,7 +50,7 @@ from shepherd.config import SchedulerConfig
 from shepherd.request import Request, SamplingParams
 from shepherd.sim.cache_bounds import HitRateBounds
 from shepherd.sim.cost_model import CostModel, RooflineCostModel, make_cost_model
-from shepherd.sim.replica import Replica, Track
+from shepherd.sim.replica import Replica, Track, probe
 
 # Policies whose choice reads no replica state, so routing can happen ahead of the
 # replicas catching up to the arrival time. session-affinity is not among them:
@@ -224,10 +224,10 @@ class Simulator:
         R, policy, states = self._router
         if not self._lazy:
             for rep, st in zip(self.replicas, states):
-                s = rep.sched.stats()
-                st.running = s.num_running
-                st.waiting = s.num_waiting + s.num_swapped
-                st.kv_usage = s.kv_used / max(1, s.kv_capacity or rep.kv_capacity)
+                used, _cached, nrun, nwait, _ = probe(rep.sched)
+                st.running = nrun
+                st.waiting = nwait
+                st.kv_usage = used / max(1, rep.kv_capacity)
                 st.metrics_at = now
         rr = R.RouteRequest(token_ids=req.prompt_ids, user=tr.client, session=tr.session,
                             input_tokens=tr.prompt_tokens, now=now, hash_ids=tr.hash_ids,
