@@ -291,6 +291,8 @@ def test_vtc_light_and_heavy_users_land_apart_and_window_expires():
     p.on_dispatch(heavy, r)
     p.on_finish(heavy, r, 500)                 # 1000*1 + 500*2 = 2000
     assert p.token_count("heavy") == 2000
+    light = req(user="light", input_tokens=10, now=0.5)
+    p.on_dispatch(light, p.choose(light, rs))
     assert p.choose(req(user="heavy", now=1.0), rs).index == 3      # heaviest -> last position
     assert p.choose(req(user="light", now=1.0), rs).index == 0      # no usage -> first position
     # utilization pushes away from a loaded replica
@@ -298,6 +300,20 @@ def test_vtc_light_and_heavy_users_land_apart_and_window_expires():
     assert p.choose(req(user="heavy", now=1.0), rs).index != 3
     # the window forgets
     assert p.token_count("heavy", now=301.0) == 0
+
+
+def test_vtc_single_user_is_routed_on_load_not_pinned():
+    # one user in the window: no fairness to keep, so no replica position is preferred
+    p = VTCBasicPolicy(min_tokens=0, max_tokens=1000)
+    rs = reps(0, 0, 0, 0)
+    seen = set()
+    for i in range(8):
+        r = req(user="only", input_tokens=1000, now=float(i))
+        st = p.choose(r, rs)
+        p.on_dispatch(r, st)
+        st.in_flight += 1
+        seen.add(st.index)
+    assert seen == {0, 1, 2, 3}
 
 
 def test_vtc_without_user_is_least_request():

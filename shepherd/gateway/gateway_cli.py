@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend-file", default=None, metavar="FILE",
                    help="file with one backend URL per line (or a JSON list); re-read when it changes")
     p.add_argument("--policy", default="least-request",
-                   help=f"routing policy: {', '.join(POLICY_NAMES)} (default %(default)s)")
+                   help=f"routing policy: {', '.join(POLICY_NAMES)} (default %(default)s, as `shepherd simulate --router`)")
     p.add_argument("--policy-knob", action="append", default=[], metavar="NAME=VALUE",
                    help="a knob of the policy (repeatable); `--list-knobs` shows them")
     p.add_argument("--scorer-weights", default=None, metavar="S=W,...",

@@ -23,6 +23,9 @@ class VTCBasicPolicy(RoutingPolicy):
     min(load / max_pod_load, 1); score = fairness_weight * fairness +
     utilization_weight * utilization. Ties: fewer requests, then round robin.
     Requests without a user go to the least loaded replica (AIBrix: random).
+    While only one user has tokens in the window the fairness term is left
+    out (nothing to be fair between; it would pin that user's every request
+    to the top replica), so a single-tenant trace is routed on load.
 
     Knobs: window_size (s), min_tokens, max_tokens, input_token_weight,
     output_token_weight, max_pod_load, fairness_weight, utilization_weight.
@@ -81,10 +84,13 @@ class VTCBasicPolicy(RoutingPolicy):
         norm = min(max((u - lo) / (hi - lo), 0.0), 1.0) if hi > lo else 0.0
         n = len(cands)
         target = norm * (n - 1)
+        # one user in the window: nothing to be fair between, and the clamped target would
+        # send every request to one replica; route on utilization alone
+        spread = n > 1 and len(self._totals) > 1
         ordered = sorted(cands, key=lambda r: r.index)
         scores = {}
         for pos, r in enumerate(ordered):
-            fairness = abs(pos - target) / (n - 1) if n > 1 else 0.0
+            fairness = abs(pos - target) / (n - 1) if spread else 0.0
             util = min(r.load / self.max_pod_load, 1.0) if self.max_pod_load > 0 else 0.0
             scores[r.key] = round(self.fairness_weight * fairness + self.utilization_weight * util, 9)
         self.last_reason = "vtc"
