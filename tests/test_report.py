@@ -86,3 +86,29 @@ def test_write_report_and_table(tmp_path):
     assert set(SUMMARY_KEYS) <= set(loaded)
     t = format_table(s)
     assert "TTFT" in t and "http_500: 1" in t and "Jain" in t
+
+
+def test_jain_over_the_backlogged_window_and_whole_run():
+    # a and b each get 10 tokens over [0, 10] while both are backlogged; then a alone gets 20 more
+    def r(i, client, arrival, t0, n):
+        times = [t0 + k for k in range(n)]
+        return RequestRecord(req_id=f"r{i}", client=client, arrival=arrival, prompt_tokens=0, output_tokens=n,
+                             first_token=times[0], token_times=times, finish=times[-1])
+    recs = [r(0, "a", 0.0, 1.0, 10), r(1, "b", 0.0, 1.0, 10), r(2, "a", 12.0, 12.5, 20)]
+    s = summarize(recs)
+    # whole run: services 2 x 30 = 60 and 2 x 10 = 20 -> (80)^2 / (2 (60^2 + 20^2)) = 0.8
+    assert s["jain_fairness"] == pytest.approx(0.8)
+    assert s["jain_fairness_backlogged"] == pytest.approx(1.0)
+    assert s["service_gap_backlogged"] == pytest.approx(0.0)
+    assert 9.9 < s["backlogged_s"] < 10.2
+    assert "whole run" in format_table(s)
+
+
+def test_timeline_draws_requests_that_waited_on_the_client_side():
+    from shepherd.bench.plots import intervals_of
+    r = RequestRecord(req_id="q", arrival=0.0, prompt_tokens=5, output_tokens=2, first_token=2.0,
+                      token_times=[2.0, 3.0], finish=3.0, intervals=[("queued", 0.0, 1.0)])
+    assert intervals_of(r) == [("queued", 0.0, 1.0), ("prefill", 1.0, 2.0), ("decode", 2.0, 3.0)]
+    # a record with server-side intervals is drawn as recorded
+    full = records()[0]
+    assert intervals_of(full) == full.intervals

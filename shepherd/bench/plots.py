@@ -80,20 +80,40 @@ def _save(fig, path: Path, paths: list) -> None:
 
 
 def _timeline(plt, out: Path, stats: RecordStats, title: str, window, paths: list) -> None:
-    sel = sorted(stats.sample, key=lambda r: r.arrival)
+    """All requests when they fit; else a Gantt of a contiguous window (the last
+    requests to end) above a density view of the whole run (uniform sample)."""
+    whole = len(stats.sample) >= stats.n
+    sel = sorted(stats.sample if whole or window is not None else stats.recent, key=lambda r: r.arrival)
     if window is not None:
         sel = [r for r in sel if window[0] <= r.arrival < window[1]]
     if not sel:
         return
-    fig, ax = plt.subplots(figsize=(11, max(3.0, min(12.0, 2 + len(sel) * 0.03))))
-    draw_timeline(ax, sel)
-    what = f"request timeline: {len(sel)} of {stats.n:,} requests" + (
-        " (uniform sample)" if len(stats.sample) < stats.n else "")
+    rows = 2 if not whole else 1
+    fig, axs = plt.subplots(rows, 1, figsize=(11, max(4.0, min(14.0, 3 + len(sel) * 0.04)) + 3 * (rows - 1)),
+                            gridspec_kw={"height_ratios": [3, 1][:rows]}, squeeze=False)
+    draw_timeline(axs[0, 0], sel)
+    what = (f"request timeline: all {stats.n:,} requests" if whole else
+            f"request timeline: the last {len(sel)} of {stats.n:,} requests to end")
     if window is not None:
-        what += f", arrivals in [{window[0]:g}, {window[1]:g}) s"
-    ax.set_title(_head(title, what), fontsize=10)
+        what = f"request timeline: arrivals in [{window[0]:g}, {window[1]:g}) s"
+    axs[0, 0].set_title(_head(title, what), fontsize=10)
+    if rows == 2:
+        _density(axs[1, 0], stats)
     _save(fig, out / "timeline.png", paths)
     plt.close(fig)
+
+
+def _density(ax, stats: RecordStats) -> None:
+    done = [r for r in stats.sample if r.finish is not None]
+    if not done:
+        return
+    x = np.array([r.arrival for r in done])
+    y = np.array([max(r.finish - r.arrival, 1e-6) for r in done])
+    log = y.max() / y.min() > 10
+    ax.hexbin(x, y, gridsize=(60, 12), yscale="log" if log else "linear", cmap="Blues", mincnt=1)
+    ax.set_xlabel("arrival time (s)")
+    ax.set_ylabel("E2E latency (s)")
+    ax.set_title(f"whole run: E2E latency by arrival time ({len(done)} sampled requests)", fontsize=9)
 
 
 def _kv(plt, out: Path, ts: dict, title: str, paths: list) -> None:

@@ -5,6 +5,7 @@ need, in memory that does not grow with the token count of the run.
     stats.add(record)            # as each request ends; the record can be dropped after
     stats.summary(...)           # the dict of report.summarize
     stats.sample                 # up to SAMPLE_RECORDS records (reservoir), for the timeline
+    stats.recent                 # the last RECENT_RECORDS records to end (a readable window)
 
 Per finished request a few floats are kept (TTFT, TPOT, E2E: exact
 percentiles for any run); inter-token latencies are pooled exactly up to
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from array import array
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Optional
 
 import numpy as np
@@ -29,6 +30,7 @@ INPUT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
 ITL_RESERVOIR = 1 << 21
 SAMPLE_RECORDS = 300
+RECENT_RECORDS = 150
 
 
 def tpot_of(r: RequestRecord) -> Optional[float]:
@@ -125,7 +127,8 @@ class RecordStats:
         self.end = -math.inf
         self.clients: dict[str, _Client] = {}
         self.bins = TimeBins()
-        self.sample: list[RequestRecord] = []
+        self.sample: list[RequestRecord] = []          # uniform over the run
+        self.recent: deque = deque(maxlen=RECENT_RECORDS)   # the last to end: a contiguous window
         self.sample_cap = sample_records
         self._rng = random.Random(seed)
         self._itl_rng = np.random.default_rng(seed)
@@ -213,6 +216,7 @@ class RecordStats:
             b.add_counts(f"service/{c}", counts * OUTPUT_WEIGHT)
 
     def _add_sample(self, r: RequestRecord) -> None:
+        self.recent.append(_without_tokens(r))
         if len(self.sample) < self.sample_cap:
             self.sample.append(_without_tokens(r))
             return

@@ -143,6 +143,10 @@ class Series:
 
     def add(self, t: float, *vals) -> None:
         if self.t and t - self.t[-1] < self.gap:
+            # too close to the last point: it takes the newer state (an idle replica's
+            # last sample must say idle)
+            for c, v in zip(self.cols, vals):
+                c[-1] = v
             return
         self.t.append(t)
         for c, v in zip(self.cols, vals):
