@@ -3,7 +3,8 @@ one H100 (6.44 ms + 4.37e-5 ms per context token), contexts 1k-32k.
 
     .venv/bin/python benchmarks/simulate_itl_check.py
 """
-from shepherd.sim.cost_model import RooflineCostModel, from_vidur, vllm_h100_itl
+from shepherd.sim.cost_model import RooflineCostModel, vllm_h100_itl
+from shepherd.sim.fitted_cost import from_vidur
 
 
 def main() -> None:

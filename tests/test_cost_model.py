@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from shepherd.sim import cost_model as cm
+from shepherd.sim import fitted_cost as fc
 
 try:
     from shepherd.paths import shared_data_dir
@@ -56,7 +57,7 @@ def test_tensor_parallel_and_capacity():
 
 def test_decode_step_times_match_step_time():
     for model in (cm.RooflineCostModel("llama-3-8b", "h100"), cm.RooflineCostModel("llama-2-70b", "a100-80gb", tp=4),
-                  cm.FittedCostModel(grid_tokens=[1, 64, 512], grid_s=[0.01, 0.012, 0.05],
+                  fc.FittedCostModel(grid_tokens=[1, 64, 512], grid_s=[0.01, 0.012, 0.05],
                                      coef={"ctx_tokens": 1e-7, "num_seqs": 1e-5})):
         n, ctx0, k = 37, 37 * 900, 50
         fast = model.decode_step_times(n, ctx0, k)
@@ -74,7 +75,7 @@ def test_swap_is_pcie_transfer():
 
 
 def test_fit_recovers_linear_model(tmp_path):
-    truth = cm.FittedCostModel(grid_tokens=[1, 16, 256, 1024], grid_s=[0.004, 0.0045, 0.012, 0.04],
+    truth = fc.FittedCostModel(grid_tokens=[1, 16, 256, 1024], grid_s=[0.004, 0.0045, 0.012, 0.04],
                                coef={"ctx_tokens": 2e-8, "prefill_pairs": 3e-11, "num_seqs": 1e-5})
     rng = np.random.default_rng(0)
     samples = []
@@ -84,21 +85,45 @@ def test_fit_recovers_linear_model(tmp_path):
         else:
             shape = cm.BatchShape.prefill(int(rng.integers(8, 1024)), int(rng.integers(0, 1000)))
         samples.append((shape, truth.shape_time(shape)))
-    fit = cm.fit_cost_model(samples, grid_tokens=[1, 16, 256, 1024], kv_bytes_per_token=1000)
+    fit = fc.fit_cost_model(samples, grid_tokens=[1, 16, 256, 1024], kv_bytes_per_token=1000)
     assert fit.meta["fit_max_rel_err"] < 1e-6
     p = tmp_path / "m.json"
     fit.save(p)
-    again = cm.load_cost_model(p)
+    again = fc.load_cost_model(p)
     s = cm.BatchShape.decode([500] * 8)
     assert again.shape_time(s) == pytest.approx(truth.shape_time(s), rel=1e-6)
 
 
 @pytest.mark.skipif(not (SHARED / "vidur").exists(), reason="shared data not mounted")
 def test_profile_models():
-    v = cm.from_vidur("llama-2-7b", "h100")
+    v = fc.from_vidur("llama-2-7b", "h100")
     # vidur's profiled MLP side alone is ~5.6 ms for one token (derived_nonattention_step_ms.json)
     assert 5e-3 < v.decode_itl(1) < 8e-3
     assert v.shape_time(cm.BatchShape.prefill(4096)) > v.shape_time(cm.BatchShape.prefill(512))
-    s = cm.from_splitwise("llama-2-70b", "h100", tp=8)
+    s = fc.from_splitwise("llama-2-70b", "h100", tp=8)
     assert s.meta["fit_mean_rel_err"] < 0.15
     assert s.decode_itl(600, 64) > s.decode_itl(600, 1)
+
+
+def test_overhead_terms_add_per_step_and_per_request_and_keep_the_fast_path_exact():
+    base = cm.RooflineCostModel("llama-3-8b", "h100")
+    slow = cm.RooflineCostModel("llama-3-8b", "h100").set_overhead(2e-3, 50e-6)
+    assert slow.overhead == (2e-3, 50e-6)
+    for n, ctx in ((1, 1000), (32, 32 * 500)):
+        d = slow.decode_step_time(n, ctx) - base.decode_step_time(n, ctx)
+        assert d == pytest.approx(2e-3 + 50e-6 * n - base.overhead[0] - base.overhead[1] * n)
+        assert slow.decode_step_times(n, ctx, 3)[0] == slow.decode_step_time(n, ctx)
+    fit = fc.FittedCostModel(grid_tokens=[1, 64], grid_s=[1e-3, 2e-3], coef={"ctx_tokens": 1e-8})
+    t0 = fit.decode_step_time(4, 400)
+    fit.set_overhead(1e-3, 1e-4)
+    assert fit.decode_step_time(4, 400) == pytest.approx(t0 + 1e-3 + 4e-4)
+    assert fit.decode_step_times(4, 400, 2)[0] == fit.decode_step_time(4, 400)
+    again = fc.FittedCostModel.from_json(fit.to_json())
+    assert again.overhead == (1e-3, 1e-4)
+
+
+def test_calibrate_fits_the_scheduler_overhead_line():
+    from shepherd.sim.calibrate import fit_overhead
+    host = [(n, 3e-4 + 2e-5 * n) for n in (1, 2, 4, 8, 16, 32)]
+    a, b = fit_overhead(host)
+    assert a == pytest.approx(3e-4) and b == pytest.approx(2e-5)

@@ -14,7 +14,11 @@ the scheduler forms and decode steps of B sequences at growing contexts. The
 samples (BatchShape, seconds) are fitted by cost_model.fit_cost_model: a
 piecewise-linear function of the tokens in the step plus linear terms in the
 attended context, prefill attention pairs and sequence count. The first
-steps of each grid point are warm-up and dropped.
+steps of each grid point are warm-up and dropped. The scheduler's own work
+around each forward (schedule() + on_step()) is timed too and fitted as the
+model's per-step overhead: fixed + per request in the batch (`cpu_fixed`,
+`cpu_per_req` in the JSON; `shepherd simulate --step-overhead/--seq-overhead`
+override them).
 """
 from __future__ import annotations
 
@@ -44,8 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens, decode_steps: int,
-                    warmup: int = 3, repeats: int = 1, vocab_size: int = 32000, log=None):
-    """Run the grid through sched_factory() + executor; return [(BatchShape, seconds)]."""
+                    warmup: int = 3, repeats: int = 1, vocab_size: int = 32000, log=None,
+                    host: Optional[list] = None):
+    """Run the grid through sched_factory() + executor; return [(BatchShape, seconds)].
+    `host`, when given, receives (requests in the batch, seconds of scheduler work:
+    schedule() + on_step()) per step: the engine's CPU overhead around the forward."""
     from shepherd.request import Request, SamplingParams
     from shepherd.sim.cost_model import batch_shape
     from shepherd.bench.traces import _stream, _seed_of
@@ -65,7 +72,9 @@ def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens,
                 step = 0
                 clock = 0.0
                 while sched.has_work:
+                    h0 = time.perf_counter()
                     batch = sched.schedule(clock)
+                    h1 = time.perf_counter()
                     if batch.empty:
                         break
                     shape = batch_shape(batch)      # before on_step appends the sampled tokens
@@ -74,9 +83,13 @@ def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens,
                     wall = time.perf_counter() - t0
                     dt = res.step_time if res.step_time and res.step_time > 0 else wall
                     clock += dt
+                    h2 = time.perf_counter()
                     sched.on_step(batch, res, clock)
+                    h3 = time.perf_counter()
                     if n_steps >= warmup and batch.seqs:    # warm-up: the first steps of the whole run
                         samples.append((shape, dt))
+                        if host is not None:
+                            host.append((len(batch.seqs), (h1 - h0) + (h3 - h2)))
                     step += 1
                     n_steps += 1
                 if log:
@@ -86,7 +99,8 @@ def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens,
 
 def main(args) -> int:
     from shepherd.config import EngineConfig, SchedulerConfig
-    from shepherd.sim.cost_model import BatchShape, fit_cost_model
+    from shepherd.sim.cost_model import BatchShape
+    from shepherd.sim.fitted_cost import fit_cost_model
 
     if args.from_samples:
         return _refit(args)
@@ -125,8 +139,9 @@ def main(args) -> int:
         vocab = int(mc.vocab_size)
     print(f"calibrate: grid batch sizes {bs} x prompt lengths {ps}, {args.decode_steps} decode steps",
           file=sys.stderr)
+    host: list = []
     samples = collect_samples(ex, factory, bs, ps, args.decode_steps, warmup=args.warmup, repeats=args.repeats,
-                              vocab_size=vocab, log=lambda m: print(m, file=sys.stderr))
+                              vocab_size=vocab, log=lambda m: print(m, file=sys.stderr), host=host)
     kvb = 0
     try:
         from shepherd.sim.cost_model import get_model
@@ -145,6 +160,9 @@ def main(args) -> int:
                                  "batch_sizes": bs, "prompt_lens": ps, "decode_steps": args.decode_steps,
                                  "max_num_tokens": sc.max_num_tokens,
                                  "seconds": time.perf_counter() - t0})
+    fixed, per_req = fit_overhead(host)
+    model.set_overhead(fixed, per_req)
+    model.meta["overhead_samples"] = len(host)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)
     from dataclasses import asdict
@@ -155,9 +173,28 @@ def main(args) -> int:
     print(f"calibrate: {len(samples)} samples, fit error mean {m['fit_mean_rel_err']:.1%}, "
           f"median {m['fit_median_rel_err']:.1%}, max {m['fit_max_rel_err']:.1%}; decode step B=1 at 128 ctx "
           f"{model.decode_itl(128) * 1e3:.1f} ms, B=32 {model.decode_itl(128, 32) * 1e3:.1f} ms; "
-          f"prefill 512 {model.shape_time(BatchShape.prefill(512)) * 1e3:.0f} ms; wrote {args.out}",
+          f"prefill 512 {model.shape_time(BatchShape.prefill(512)) * 1e3:.0f} ms; scheduler overhead "
+          f"{fixed * 1e3:.3f} ms + {per_req * 1e6:.1f} us/request per step; wrote {args.out}",
           file=sys.stderr)
     return 0
+
+
+def fit_overhead(host: list) -> tuple[float, float]:
+    """Least squares of seconds = fixed + per_request x requests over the host
+    samples, both clamped at 0 (a negative slope is noise: then the mean)."""
+    import numpy as np
+    if len(host) < 2:
+        return 0.0, 0.0
+    n = np.array([h[0] for h in host], dtype=float)
+    t = np.array([h[1] for h in host], dtype=float)
+    if np.ptp(n) == 0:
+        return float(max(t.mean(), 0.0)), 0.0
+    b, a = np.polyfit(n, t, 1)
+    if b < 0:
+        return float(max(t.mean(), 0.0)), 0.0
+    if a < 0:
+        return 0.0, float(max((t / n).mean(), 0.0))
+    return float(a), float(b)
 
 
 def _samples_path(out: str) -> str:
@@ -166,7 +203,8 @@ def _samples_path(out: str) -> str:
 
 
 def _refit(args) -> int:
-    from shepherd.sim.cost_model import BatchShape, fit_cost_model, get_model, load_cost_model
+    from shepherd.sim.cost_model import BatchShape, get_model
+    from shepherd.sim.fitted_cost import fit_cost_model, load_cost_model
     samples = []
     with open(args.from_samples) as f:
         for line in f:

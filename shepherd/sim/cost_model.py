@@ -28,15 +28,12 @@ context grows by n per step, so k steps are one vectorised expression.
 """
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Optional, Sequence
 
 import numpy as np
 
-GiB = 1024 ** 3
+from shepherd.sim.hardware import GPUS, MODELS, GiB, GPUSpec, ModelSpec, get_gpu, get_model
 
 
 # --------------------------------------------------------------------------
@@ -109,125 +106,6 @@ def batch_shape(batch) -> BatchShape:
 
 
 # --------------------------------------------------------------------------
-# hardware and model presets
-# --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-    dtype_bytes: int = 2
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def layer_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
-        mlp = 3 * h * self.intermediate_size
-        return attn + mlp + 2 * h
-
-    @property
-    def num_params(self) -> int:
-        lm_head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + lm_head
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def linear_flops_per_token(self) -> float:
-        """Matmul FLOPs of one token through all layers (no lm head)."""
-        return 2.0 * self.num_layers * (self.layer_params - 2 * self.hidden_size)
-
-    @property
-    def lm_head_flops(self) -> float:
-        return 2.0 * self.vocab_size * self.hidden_size
-
-    @property
-    def attn_flops_per_pair(self) -> float:
-        """QK^T and PV FLOPs for one (query, key) pair, all layers and heads."""
-        return 4.0 * self.num_layers * self.num_heads * self.head_dim
-
-
-@dataclass(frozen=True)
-class GPUSpec:
-    name: str
-    mem_bytes: float          # device memory
-    hbm_bw: float             # bytes/s
-    peak_flops: float         # dense bf16 FLOP/s
-    pcie_bw: float            # host <-> device bytes/s (swap)
-    link_bw: float = 0.0      # per-GPU all-reduce bus bandwidth, bytes/s (NVLink); 0 = over PCIe
-    link_latency: float = 8e-6  # per all-reduce call
-    mem_eff: float = 0.8      # achieved fraction of HBM bandwidth
-    compute_eff: float = 0.6  # achieved fraction of peak FLOPS (MFU of large GEMMs)
-    step_overhead: float = 4.5e-4   # per-step launch/scheduling/sampling overhead, s
-    seq_overhead: float = 0.0       # per-sequence overhead per step, s
-
-
-MODELS: dict[str, ModelSpec] = {
-    "llama-3-8b": ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
-    "llama-2-7b": ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000),
-    "llama-2-70b": ModelSpec("Llama-2-70B", 80, 8192, 64, 8, 128, 28672, 32000),
-    "smollm2-135m": ModelSpec("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True),
-}
-
-GPUS: dict[str, GPUSpec] = {
-    # H100 SXM: 80 GiB HBM3 3.35 TB/s, 989 TFLOPS dense bf16, PCIe 5 x16, NVLink 4 (450 GB/s/dir)
-    # mem_eff 0.8 + 0.45 ms step overhead reproduce vLLM's measured single-request
-    # Llama-3-8B ITL of 6.44 ms + 4.37e-5 ms/context token to within 3% over 1k-32k.
-    "h100": GPUSpec("H100", 80 * GiB, 3.35e12, 989e12, 50e9, link_bw=360e9),
-    "h200": GPUSpec("H200", 141e9, 4.8e12, 989e12, 50e9, link_bw=360e9),
-    "a100-80gb": GPUSpec("A100-80GB", 80 * GiB, 2.039e12, 312e12, 25e9, link_bw=240e9,
-                         step_overhead=6e-4),
-    # A10G (AWS g5): 24 GiB GDDR6 600 GB/s, ~70 TFLOPS dense bf16 tensor, PCIe 4, no NVLink
-    "a10g": GPUSpec("A10G", 24 * GiB, 600e9, 70e12, 25e9, link_bw=0.0, step_overhead=8e-4),
-    # this machine's CPU (2 vCPU AMD EPYC, AVX-512 bf16): a rough roofline only; use
-    # `shepherd calibrate` for figures that should match the real engine.
-    "cpu": GPUSpec("CPU", 16 * GiB, 20e9, 2.0e11, 20e9, link_bw=0.0, mem_eff=0.5,
-                   compute_eff=0.35, step_overhead=5e-3, seq_overhead=2e-4),
-}
-
-_ALIASES = {
-    "llama3-8b": "llama-3-8b", "meta-llama-3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b",
-    "llama2-7b": "llama-2-7b", "llama-2-7b-hf": "llama-2-7b",
-    "llama2-70b": "llama-2-70b", "llama-2-70b-hf": "llama-2-70b",
-    "smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m",
-    "h100-80gb": "h100", "h100-sxm": "h100", "a100": "a100-80gb", "a100-80g": "a100-80gb",
-    "h200-141gb": "h200", "a10": "a10g", "this-cpu": "cpu",
-}
-
-
-def get_model(name: str) -> ModelSpec:
-    key = name.lower().split("/")[-1]
-    key = _ALIASES.get(key, key)
-    if key not in MODELS:
-        raise KeyError(f"unknown model {name!r}; presets: {', '.join(MODELS)}")
-    return MODELS[key]
-
-
-def get_gpu(name: str) -> GPUSpec:
-    key = _ALIASES.get(name.lower(), name.lower())
-    if key not in GPUS:
-        raise KeyError(f"unknown GPU {name!r}; presets: {', '.join(GPUS)}")
-    return GPUS[key]
-
-
-# --------------------------------------------------------------------------
 # the interface
 # --------------------------------------------------------------------------
 
@@ -279,6 +157,18 @@ class CostModel:
 
     def describe(self) -> dict:
         return {"name": self.name}
+
+    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None) -> "CostModel":
+        """The per-step CPU/launch overhead: `fixed` seconds per step plus
+        `per_request` seconds per request in the batch (scheduling, input
+        preparation, sampling and output handling that do not shrink with the
+        GPU). None keeps the current value (the GPU preset's, or the one
+        `shepherd calibrate` measured)."""
+        raise NotImplementedError(f"{type(self).__name__} has no overhead terms")
+
+    @property
+    def overhead(self) -> tuple[float, float]:
+        return (0.0, 0.0)
 
 
 # --------------------------------------------------------------------------
@@ -352,6 +242,21 @@ class RooflineCostModel(CostModel):
 
     decode_step_lb = decode_step_time
 
+    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None) -> "CostModel":
+        if fixed is not None:
+            if fixed < 0:
+                raise ValueError("step overhead must be >= 0")
+            self._ovh = fixed
+        if per_request is not None:
+            if per_request < 0:
+                raise ValueError("per-request overhead must be >= 0")
+            self._seq_ovh = per_request
+        return self
+
+    @property
+    def overhead(self) -> tuple[float, float]:
+        return (self._ovh, self._seq_ovh)
+
     def kv_capacity_tokens(self, mem_fraction: float = 0.9, reserve_bytes: float = 1.0 * GiB,
                            page_size: int = 1) -> int:
         """KV pool in tokens: (device memory x fraction - weights - activations reserve),
@@ -366,273 +271,9 @@ class RooflineCostModel(CostModel):
     def describe(self) -> dict:
         m, g = self.model, self.gpu
         return {"name": self.name, "kind": "roofline", "model": asdict(m), "gpu": asdict(g), "tp": self.tp,
+                "step_overhead": self._ovh, "seq_overhead": self._seq_ovh,
                 "weight_bytes": m.weight_bytes, "kv_bytes_per_token": m.kv_bytes_per_token,
                 "num_params": m.num_params}
-
-
-# --------------------------------------------------------------------------
-# fitted / table model
-# --------------------------------------------------------------------------
-
-FEATURES = ("ctx_tokens", "prefill_pairs", "num_seqs", "sampled")
-
-
-@dataclass
-class FittedCostModel(CostModel):
-    """step = interp(num_tokens; grid_tokens, grid_s) + sum(coef[f] * shape.f) (+ swap).
-
-    The table part carries everything that scales with the tokens fed (the
-    linear layers, norms, the step's fixed overhead at its first point); the
-    linear part carries attention over the KV (ctx_tokens), prefill attention
-    (prefill_pairs) and per-sequence costs. Beyond the grid the table is
-    extrapolated linearly from its last two points."""
-    grid_tokens: list = field(default_factory=lambda: [1])
-    grid_s: list = field(default_factory=lambda: [0.0])
-    coef: dict = field(default_factory=dict)
-    kv_bytes_per_token: int = 0
-    pcie_bw: float = 25e9
-    name: str = "fitted"
-    meta: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        order = np.argsort(self.grid_tokens)
-        self._gx = np.asarray(self.grid_tokens, dtype=np.float64)[order]
-        self._gy = np.asarray(self.grid_s, dtype=np.float64)[order]
-        self._c = {f: float(self.coef.get(f, 0.0)) for f in FEATURES}
-
-    def _table(self, x):
-        gx, gy = self._gx, self._gy
-        if len(gx) == 1:
-            return np.full_like(np.asarray(x, dtype=np.float64), gy[0]) if np.ndim(x) else float(gy[0])
-        y = np.interp(x, gx, gy)
-        slope = (gy[-1] - gy[-2]) / (gx[-1] - gx[-2])
-        hi = np.asarray(x) > gx[-1]
-        if np.ndim(x):
-            y = np.where(hi, gy[-1] + slope * (np.asarray(x) - gx[-1]), y)
-        elif hi:
-            y = gy[-1] + slope * (x - gx[-1])
-        return y
-
-    def shape_time(self, s: BatchShape) -> float:
-        if s.num_seqs == 0 and s.swap_tokens == 0:
-            return 0.0
-        c = self._c
-        t = float(self._table(s.num_tokens)) if s.num_tokens else 0.0
-        t += (c["ctx_tokens"] * s.ctx_tokens + c["prefill_pairs"] * s.prefill_pairs
-              + c["num_seqs"] * s.num_seqs + c["sampled"] * s.sampled)
-        if s.swap_tokens:
-            t += self.swap_time(s.swap_tokens)
-        return max(t, 0.0)
-
-    def _decode_base(self, n: int) -> float:
-        cache = self.__dict__.setdefault("_base_cache", {})
-        b = cache.get(n)
-        if b is None:
-            c = self._c
-            b = cache[n] = float(self._table(n)) + (c["num_seqs"] + c["sampled"]) * n
-        return b
-
-    def decode_step_times(self, n: int, ctx0: int, k: int) -> np.ndarray:
-        ctx = ctx0 + n * np.arange(k, dtype=np.float64)
-        return np.maximum(self._decode_base(n) + self._c["ctx_tokens"] * ctx, 0.0)
-
-    def decode_step_time(self, n: int, ctx: int) -> float:
-        t = self._decode_base(n) + self._c["ctx_tokens"] * float(ctx)
-        return t if t > 0.0 else 0.0
-
-    decode_step_lb = decode_step_time
-
-    # -- persistence -------------------------------------------------------
-    def to_json(self) -> dict:
-        return {"kind": "fitted", "name": self.name, "grid_tokens": list(map(int, self.grid_tokens)),
-                "grid_s": list(map(float, self.grid_s)), "coef": {k: float(v) for k, v in self.coef.items()},
-                "kv_bytes_per_token": int(self.kv_bytes_per_token), "pcie_bw": float(self.pcie_bw),
-                "meta": self.meta}
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
-
-    @classmethod
-    def from_json(cls, d: dict) -> "FittedCostModel":
-        if d.get("kind") != "fitted":
-            raise ValueError(f"not a fitted cost model (kind={d.get('kind')!r})")
-        return cls(grid_tokens=d["grid_tokens"], grid_s=d["grid_s"], coef=d.get("coef", {}),
-                   kv_bytes_per_token=d.get("kv_bytes_per_token", 0), pcie_bw=d.get("pcie_bw", 25e9),
-                   name=d.get("name", "fitted"), meta=d.get("meta", {}))
-
-    def describe(self) -> dict:
-        return self.to_json()
-
-    def kv_capacity_tokens(self, *a, **k) -> int:
-        cap = self.meta.get("kv_capacity_tokens")
-        if not cap:
-            raise ValueError("this fitted cost model does not know the KV capacity; pass --max-total-tokens")
-        return int(cap)
-
-
-def load_cost_model(path: str | Path) -> FittedCostModel:
-    return FittedCostModel.from_json(json.loads(Path(path).read_text()))
-
-
-# --------------------------------------------------------------------------
-# fitting
-# --------------------------------------------------------------------------
-
-def _nnls(A: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
-    """Non-negative least squares (Lawson-Hanson): min ||A x - b|| with x >= 0."""
-    m, n = A.shape
-    P = np.zeros(n, dtype=bool)
-    x = np.zeros(n)
-    tol = 1e-12 * max(1.0, float(np.abs(A).max()) * float(np.abs(b).max()))
-    w = A.T @ (b - A @ x)
-    for _ in range(max_iter):
-        if P.all() or not (w[~P] > tol).any():
-            break
-        j = int(np.argmax(np.where(P, -np.inf, w)))
-        P[j] = True
-        for _ in range(max_iter):
-            z = np.zeros(n)
-            z[P] = np.linalg.lstsq(A[:, P], b, rcond=None)[0]
-            if (z[P] > 0).all():
-                break
-            mask = P & (z <= 0)
-            alpha = float(np.min(x[mask] / (x[mask] - z[mask])))
-            x = x + alpha * (z - x)
-            P &= x > 1e-15
-        x = z
-        w = A.T @ (b - A @ x)
-    return x
-
-
-def fit_cost_model(samples: Iterable[tuple[BatchShape, float]], *, grid_tokens: Optional[Sequence[int]] = None,
-                   features: Sequence[str] = ("ctx_tokens", "prefill_pairs", "num_seqs"),
-                   kv_bytes_per_token: int = 0, pcie_bw: float = 25e9, name: str = "fitted",
-                   meta: Optional[dict] = None) -> FittedCostModel:
-    """Fit measured step times: a piecewise-linear function of num_tokens (knots
-    at grid_tokens, kept only where samples are) plus linear terms in
-    `features`, every coefficient >= 0 (non-negative least squares), minimising
-    the relative error (step times span orders of magnitude)."""
-    samples = [(s, t) for s, t in samples if t > 0]
-    if not samples:
-        raise ValueError("no samples to fit")
-    toks = np.array([s.num_tokens for s, _ in samples], dtype=np.float64)
-    y = np.array([t for _, t in samples], dtype=np.float64)
-    lo, hi = int(toks.min()), int(toks.max())
-    if grid_tokens is None:
-        grid_tokens = [lo, hi] + [2 ** i for i in range(0, 20) if lo < 2 ** i < hi]
-    gx = np.asarray(sorted(set(int(g) for g in grid_tokens)), dtype=np.float64)
-
-    def hat_basis(x):
-        # piecewise-linear "hat" functions at the knots, linear extrapolation past the ends
-        B = np.zeros((len(x), len(gx)))
-        if len(gx) == 1:
-            B[:, 0] = 1.0
-            return B
-        for i, xi in enumerate(x):
-            j = int(np.clip(np.searchsorted(gx, xi) - 1, 0, len(gx) - 2))
-            w = (xi - gx[j]) / (gx[j + 1] - gx[j])
-            B[i, j] += 1 - w
-            B[i, j + 1] += w
-        return B
-
-    H = hat_basis(toks)
-    keep = H.sum(axis=0) > 1e-9           # a knot no sample touches cannot be fitted
-    if not keep.all():
-        gx = gx[keep]
-        H = hat_basis(toks)
-    feats = list(features)
-    F = np.array([[getattr(s, f) for f in feats] for s, _ in samples], dtype=np.float64).reshape(len(samples), -1)
-    X = np.hstack([H, F])
-    A = X / y[:, None]                     # relative error
-    scale = np.maximum(np.linalg.norm(A, axis=0), 1e-300)
-    sol = _nnls(A / scale, np.ones(len(y))) / scale
-    grid_s = sol[:len(gx)]
-    coef = {f: float(sol[len(gx) + i]) for i, f in enumerate(feats)}
-    model = FittedCostModel(grid_tokens=[int(g) for g in gx], grid_s=grid_s.tolist(), coef=coef,
-                            kv_bytes_per_token=kv_bytes_per_token, pcie_bw=pcie_bw, name=name,
-                            meta=dict(meta or {}))
-    pred = np.array([model.shape_time(s) for s, _ in samples])
-    rel = np.abs(pred - y) / y
-    model.meta.update({"fit_samples": len(samples), "fit_mean_rel_err": float(rel.mean()),
-                       "fit_median_rel_err": float(np.median(rel)), "fit_max_rel_err": float(rel.max())})
-    return model
-
-
-def data_dir() -> Path:
-    """shared/data (shepherd.paths: beside the checkout, or SHEPHERD_DATA_DIR)."""
-    from shepherd.paths import shared_data_dir
-    return shared_data_dir()
-
-
-def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str | Path] = None,
-               *, tp: int = 1) -> FittedCostModel:
-    """Table model from vidur's profiled MLP-side operator times (per layer, by
-    token count) summed over the layers, plus attention over the KV from the
-    GPU's HBM roofline and the per-step overhead of the GPU preset.
-
-    Uses the raw profile CSV in shared/data/vidur/profiling_compute (medians of
-    every non-attention operator x num_layers, plus embedding once)."""
-    import csv
-    m, g = get_model(model), get_gpu(gpu)
-    vid_name = {"Llama-3-8B": "meta-llama_Meta-Llama-3-8B", "Llama-2-7B": "meta-llama_Llama-2-7b-hf",
-                "Llama-2-70B": "meta-llama_Llama-2-70b-hf"}.get(m.name)
-    if path is None:
-        if vid_name is None:
-            raise KeyError(f"no vidur profile for {m.name}")
-        path = data_dir() / "vidur" / "profiling_compute" / f"{g.name.split('-')[0].lower()}_{vid_name}_mlp.csv"
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no vidur profile at {path}")
-    per_layer = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
-                 "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
-    table: dict[int, float] = {}
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            if int(row["num_tensor_parallel_workers"]) != tp:
-                continue
-            ms = sum(float(row[f"time_stats.{op}.median"]) for op in per_layer) * m.num_layers
-            ms += float(row["time_stats.emb.median"])
-            table[int(row["num_tokens"])] = ms / 1e3
-    if not table:
-        raise ValueError(f"{path}: no rows for tensor parallel {tp}")
-    roof = RooflineCostModel(m, g, tp=tp)
-    xs = sorted(table)
-    ys = [table[x] + roof._ovh for x in xs]
-    coef = {"ctx_tokens": roof._mem_ctx, "prefill_pairs": roof._c_pair, "num_seqs": roof._seq_ovh,
-            "sampled": roof._c_samp}
-    return FittedCostModel(grid_tokens=xs, grid_s=ys, coef=coef, kv_bytes_per_token=m.kv_bytes_per_token,
-                           pcie_bw=roof.pcie_bw, name=f"vidur:{m.name}/{g.name}" + (f"x{tp}" if tp > 1 else ""),
-                           meta={"source": str(path), "kv_capacity_tokens": roof.kv_capacity_tokens()})
-
-
-def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
-                   path: Optional[str | Path] = None) -> FittedCostModel:
-    """Fit to splitwise-sim's measured prompt and per-token times (perf_model.csv:
-    prompt_time for a batch of `batch_size` prompts of `prompt_size`; token_time
-    per decode step of `batch_size` sequences at context ~prompt_size + token_size/2)."""
-    import csv
-    m, g = get_model(model), get_gpu(gpu)
-    path = Path(path) if path else data_dir() / "splitwise_sim" / "perf_model.csv"
-    want_model = m.name.lower().replace("-", "").replace("llama2", "llama2-")  # llama2-70b
-    hw = {"H100": "h100-80gb", "A100-80GB": "a100-80gb"}.get(g.name)
-    samples = []
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            if row["model"] != want_model or row["hardware"] != hw or int(row["tensor_parallel"]) != tp:
-                continue
-            p, b, tok = int(row["prompt_size"]), int(row["batch_size"]), int(row["token_size"])
-            samples.append((BatchShape(num_tokens=p * b, num_seqs=b, num_decode=0, ctx_tokens=p * b,
-                                       prefill_pairs=b * p * (p + 1) // 2, sampled=b),
-                            float(row["prompt_time"]) / 1e3))
-            samples.append((BatchShape.decode([p + tok // 2] * b), float(row["token_time"]) / 1e3))
-    if not samples:
-        raise ValueError(f"{path}: no rows for {want_model} on {hw} with tp={tp}")
-    roof = RooflineCostModel(m, g, tp=tp)
-    fitted = fit_cost_model(samples, kv_bytes_per_token=m.kv_bytes_per_token, pcie_bw=roof.pcie_bw,
-                            features=("ctx_tokens", "prefill_pairs"),
-                            name=f"splitwise:{m.name}/{g.name}x{tp}",
-                            meta={"source": str(path), "kv_capacity_tokens": roof.kv_capacity_tokens()})
-    return fitted
 
 
 # --------------------------------------------------------------------------
@@ -640,16 +281,24 @@ def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
 # --------------------------------------------------------------------------
 
 def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
-                    cost_model: Optional[str] = None) -> CostModel:
+                    cost_model: Optional[str] = None, step_overhead: Optional[float] = None,
+                    seq_overhead: Optional[float] = None) -> CostModel:
     """--cost-model: a JSON file written by `shepherd calibrate` (or any fitted
-    model), 'roofline' (default), 'vidur' or 'splitwise'."""
+    model), 'roofline' (default), 'vidur' or 'splitwise'; --step-overhead and
+    --seq-overhead replace the model's per-step overhead terms."""
     if cost_model in (None, "", "roofline"):
-        return RooflineCostModel(model, gpu, tp=tp)
-    if cost_model == "vidur":
-        return from_vidur(model, gpu, tp=tp)
-    if cost_model == "splitwise":
-        return from_splitwise(model, gpu, tp=tp)
-    return load_cost_model(cost_model)
+        cm: CostModel = RooflineCostModel(model, gpu, tp=tp)
+    else:
+        from shepherd.sim.fitted_cost import from_splitwise, from_vidur, load_cost_model
+        if cost_model == "vidur":
+            cm = from_vidur(model, gpu, tp=tp)
+        elif cost_model == "splitwise":
+            cm = from_splitwise(model, gpu, tp=tp)
+        else:
+            cm = load_cost_model(cost_model)
+    if step_overhead is not None or seq_overhead is not None:
+        cm.set_overhead(step_overhead, seq_overhead)
+    return cm
 
 
 def vllm_h100_itl(context: int) -> float:
@@ -658,5 +307,4 @@ def vllm_h100_itl(context: int) -> float:
 
 
 __all__ = ["BatchShape", "batch_shape", "ModelSpec", "GPUSpec", "MODELS", "GPUS", "get_model", "get_gpu",
-           "CostModel", "RooflineCostModel", "FittedCostModel", "fit_cost_model", "load_cost_model",
-           "from_vidur", "from_splitwise", "make_cost_model", "vllm_h100_itl"]
+           "CostModel", "RooflineCostModel", "make_cost_model", "vllm_h100_itl"]

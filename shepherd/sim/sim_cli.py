@@ -84,6 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--router-knob", action="append", default=[], metavar="K=V", help="routing policy knob")
     c.add_argument("--cost-model", default=None,
                    help="roofline (default), vidur, splitwise, or a JSON file from `shepherd calibrate`")
+    c.add_argument("--step-overhead", type=float, default=None, metavar="S",
+                   help="per-step CPU/launch overhead, seconds (default: the GPU preset's, e.g. H100 0.00045, "
+                        "or what `shepherd calibrate` measured)")
+    c.add_argument("--seq-overhead", type=float, default=None, metavar="S",
+                   help="per-step overhead per request in the batch, seconds (default: preset / calibrated)")
     c.add_argument("--mem-fraction", type=float, default=0.9, help="GPU memory for weights + KV")
     c.add_argument("--max-model-len", type=int, default=None)
     c.add_argument("--max-tokens", type=int, default=None,
@@ -185,7 +190,8 @@ def main(args) -> int:
                     max_model_len=args.max_model_len, max_tokens=args.max_tokens, fast=not args.slow,
                     seed=args.seed, progress=not args.no_progress, keep_records=False)
     try:
-        cost = make_cost_model(args.model, args.gpu, tp=args.tp, cost_model=args.cost_model)
+        cost = make_cost_model(args.model, args.gpu, tp=args.tp, cost_model=args.cost_model,
+                               step_overhead=args.step_overhead, seq_overhead=args.seq_overhead)
         sim = Simulator(cfg, cost)
         sched.max_total_tokens = sim.kv_capacity
         sched.validate()

@@ -1,0 +1,303 @@
+"""Fitted cost models: a table over the tokens in a step plus linear terms,
+fitted to measurements (`shepherd calibrate`), vidur operator profiles or
+splitwise-sim's measured prompt/token times. See sim/cost_model.py for the
+interface they share with the roofline.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from shepherd.sim.cost_model import BatchShape, CostModel
+from shepherd.sim.hardware import get_gpu, get_model
+
+
+
+FEATURES = ("ctx_tokens", "prefill_pairs", "num_seqs", "sampled")
+
+
+@dataclass
+class FittedCostModel(CostModel):
+    """step = interp(num_tokens; grid_tokens, grid_s) + sum(coef[f] * shape.f) (+ swap).
+
+    The table part carries everything that scales with the tokens fed (the
+    linear layers, norms, the step's fixed overhead at its first point); the
+    linear part carries attention over the KV (ctx_tokens), prefill attention
+    (prefill_pairs) and per-sequence costs. Beyond the grid the table is
+    extrapolated linearly from its last two points."""
+    grid_tokens: list = field(default_factory=lambda: [1])
+    grid_s: list = field(default_factory=lambda: [0.0])
+    coef: dict = field(default_factory=dict)
+    kv_bytes_per_token: int = 0
+    pcie_bw: float = 25e9
+    name: str = "fitted"
+    meta: dict = field(default_factory=dict)
+    cpu_fixed: float = 0.0          # per-step host overhead (scheduler, input prep), s
+    cpu_per_req: float = 0.0        # ... per request in the batch, s
+
+    def __post_init__(self):
+        order = np.argsort(self.grid_tokens)
+        self._gx = np.asarray(self.grid_tokens, dtype=np.float64)[order]
+        self._gy = np.asarray(self.grid_s, dtype=np.float64)[order]
+        self._c = {f: float(self.coef.get(f, 0.0)) for f in FEATURES}
+
+    def _table(self, x):
+        gx, gy = self._gx, self._gy
+        if len(gx) == 1:
+            return np.full_like(np.asarray(x, dtype=np.float64), gy[0]) if np.ndim(x) else float(gy[0])
+        y = np.interp(x, gx, gy)
+        slope = (gy[-1] - gy[-2]) / (gx[-1] - gx[-2])
+        hi = np.asarray(x) > gx[-1]
+        if np.ndim(x):
+            y = np.where(hi, gy[-1] + slope * (np.asarray(x) - gx[-1]), y)
+        elif hi:
+            y = gy[-1] + slope * (x - gx[-1])
+        return y
+
+    def shape_time(self, s: BatchShape) -> float:
+        if s.num_seqs == 0 and s.swap_tokens == 0:
+            return 0.0
+        c = self._c
+        t = float(self._table(s.num_tokens)) if s.num_tokens else 0.0
+        t += (c["ctx_tokens"] * s.ctx_tokens + c["prefill_pairs"] * s.prefill_pairs
+              + c["num_seqs"] * s.num_seqs + c["sampled"] * s.sampled)
+        t += self.cpu_fixed + self.cpu_per_req * s.num_seqs
+        if s.swap_tokens:
+            t += self.swap_time(s.swap_tokens)
+        return max(t, 0.0)
+
+    def _decode_base(self, n: int) -> float:
+        cache = self.__dict__.setdefault("_base_cache", {})
+        b = cache.get(n)
+        if b is None:
+            c = self._c
+            b = cache[n] = (float(self._table(n)) + (c["num_seqs"] + c["sampled"]) * n
+                            + (self.cpu_fixed + self.cpu_per_req * n))
+        return b
+
+    def decode_step_times(self, n: int, ctx0: int, k: int) -> np.ndarray:
+        ctx = ctx0 + n * np.arange(k, dtype=np.float64)
+        return np.maximum(self._decode_base(n) + self._c["ctx_tokens"] * ctx, 0.0)
+
+    def decode_step_time(self, n: int, ctx: int) -> float:
+        t = self._decode_base(n) + self._c["ctx_tokens"] * float(ctx)
+        return t if t > 0.0 else 0.0
+
+    decode_step_lb = decode_step_time
+
+    # -- persistence -------------------------------------------------------
+    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None) -> "CostModel":
+        if (fixed is not None and fixed < 0) or (per_request is not None and per_request < 0):
+            raise ValueError("overheads must be >= 0")
+        if fixed is not None:
+            self.cpu_fixed = fixed
+        if per_request is not None:
+            self.cpu_per_req = per_request
+        self.__dict__.pop("_base_cache", None)
+        return self
+
+    @property
+    def overhead(self) -> tuple[float, float]:
+        return (self.cpu_fixed, self.cpu_per_req)
+
+    def to_json(self) -> dict:
+        return {"kind": "fitted", "name": self.name, "grid_tokens": list(map(int, self.grid_tokens)),
+                "grid_s": list(map(float, self.grid_s)), "coef": {k: float(v) for k, v in self.coef.items()},
+                "kv_bytes_per_token": int(self.kv_bytes_per_token), "pcie_bw": float(self.pcie_bw),
+                "cpu_fixed": float(self.cpu_fixed), "cpu_per_req": float(self.cpu_per_req),
+                "meta": self.meta}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def from_json(cls, d: dict) -> "FittedCostModel":
+        if d.get("kind") != "fitted":
+            raise ValueError(f"not a fitted cost model (kind={d.get('kind')!r})")
+        return cls(grid_tokens=d["grid_tokens"], grid_s=d["grid_s"], coef=d.get("coef", {}),
+                   kv_bytes_per_token=d.get("kv_bytes_per_token", 0), pcie_bw=d.get("pcie_bw", 25e9),
+                   name=d.get("name", "fitted"), meta=d.get("meta", {}),
+                   cpu_fixed=d.get("cpu_fixed", 0.0), cpu_per_req=d.get("cpu_per_req", 0.0))
+
+    def describe(self) -> dict:
+        return self.to_json()
+
+    def kv_capacity_tokens(self, *a, **k) -> int:
+        cap = self.meta.get("kv_capacity_tokens")
+        if not cap:
+            raise ValueError("this fitted cost model does not know the KV capacity; pass --max-total-tokens")
+        return int(cap)
+
+
+def load_cost_model(path: str | Path) -> FittedCostModel:
+    return FittedCostModel.from_json(json.loads(Path(path).read_text()))
+
+
+# --------------------------------------------------------------------------
+# fitting
+# --------------------------------------------------------------------------
+
+def _nnls(A: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
+    """Non-negative least squares (Lawson-Hanson): min ||A x - b|| with x >= 0."""
+    m, n = A.shape
+    P = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    tol = 1e-12 * max(1.0, float(np.abs(A).max()) * float(np.abs(b).max()))
+    w = A.T @ (b - A @ x)
+    for _ in range(max_iter):
+        if P.all() or not (w[~P] > tol).any():
+            break
+        j = int(np.argmax(np.where(P, -np.inf, w)))
+        P[j] = True
+        for _ in range(max_iter):
+            z = np.zeros(n)
+            z[P] = np.linalg.lstsq(A[:, P], b, rcond=None)[0]
+            if (z[P] > 0).all():
+                break
+            mask = P & (z <= 0)
+            alpha = float(np.min(x[mask] / (x[mask] - z[mask])))
+            x = x + alpha * (z - x)
+            P &= x > 1e-15
+        x = z
+        w = A.T @ (b - A @ x)
+    return x
+
+
+def fit_cost_model(samples: Iterable[tuple[BatchShape, float]], *, grid_tokens: Optional[Sequence[int]] = None,
+                   features: Sequence[str] = ("ctx_tokens", "prefill_pairs", "num_seqs"),
+                   kv_bytes_per_token: int = 0, pcie_bw: float = 25e9, name: str = "fitted",
+                   meta: Optional[dict] = None) -> FittedCostModel:
+    """Fit measured step times: a piecewise-linear function of num_tokens (knots
+    at grid_tokens, kept only where samples are) plus linear terms in
+    `features`, every coefficient >= 0 (non-negative least squares), minimising
+    the relative error (step times span orders of magnitude)."""
+    samples = [(s, t) for s, t in samples if t > 0]
+    if not samples:
+        raise ValueError("no samples to fit")
+    toks = np.array([s.num_tokens for s, _ in samples], dtype=np.float64)
+    y = np.array([t for _, t in samples], dtype=np.float64)
+    lo, hi = int(toks.min()), int(toks.max())
+    if grid_tokens is None:
+        grid_tokens = [lo, hi] + [2 ** i for i in range(0, 20) if lo < 2 ** i < hi]
+    gx = np.asarray(sorted(set(int(g) for g in grid_tokens)), dtype=np.float64)
+
+    def hat_basis(x):
+        # piecewise-linear "hat" functions at the knots, linear extrapolation past the ends
+        B = np.zeros((len(x), len(gx)))
+        if len(gx) == 1:
+            B[:, 0] = 1.0
+            return B
+        for i, xi in enumerate(x):
+            j = int(np.clip(np.searchsorted(gx, xi) - 1, 0, len(gx) - 2))
+            w = (xi - gx[j]) / (gx[j + 1] - gx[j])
+            B[i, j] += 1 - w
+            B[i, j + 1] += w
+        return B
+
+    H = hat_basis(toks)
+    keep = H.sum(axis=0) > 1e-9           # a knot no sample touches cannot be fitted
+    if not keep.all():
+        gx = gx[keep]
+        H = hat_basis(toks)
+    feats = list(features)
+    F = np.array([[getattr(s, f) for f in feats] for s, _ in samples], dtype=np.float64).reshape(len(samples), -1)
+    X = np.hstack([H, F])
+    A = X / y[:, None]                     # relative error
+    scale = np.maximum(np.linalg.norm(A, axis=0), 1e-300)
+    sol = _nnls(A / scale, np.ones(len(y))) / scale
+    grid_s = sol[:len(gx)]
+    coef = {f: float(sol[len(gx) + i]) for i, f in enumerate(feats)}
+    model = FittedCostModel(grid_tokens=[int(g) for g in gx], grid_s=grid_s.tolist(), coef=coef,
+                            kv_bytes_per_token=kv_bytes_per_token, pcie_bw=pcie_bw, name=name,
+                            meta=dict(meta or {}))
+    pred = np.array([model.shape_time(s) for s, _ in samples])
+    rel = np.abs(pred - y) / y
+    model.meta.update({"fit_samples": len(samples), "fit_mean_rel_err": float(rel.mean()),
+                       "fit_median_rel_err": float(np.median(rel)), "fit_max_rel_err": float(rel.max())})
+    return model
+
+
+def data_dir() -> Path:
+    """shared/data (shepherd.paths: beside the checkout, or SHEPHERD_DATA_DIR)."""
+    from shepherd.paths import shared_data_dir
+    return shared_data_dir()
+
+
+def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str | Path] = None,
+               *, tp: int = 1) -> FittedCostModel:
+    """Table model from vidur's profiled MLP-side operator times (per layer, by
+    token count) summed over the layers, plus attention over the KV from the
+    GPU's HBM roofline and the per-step overhead of the GPU preset.
+
+    Uses the raw profile CSV in shared/data/vidur/profiling_compute (medians of
+    every non-attention operator x num_layers, plus embedding once)."""
+    import csv
+    m, g = get_model(model), get_gpu(gpu)
+    vid_name = {"Llama-3-8B": "meta-llama_Meta-Llama-3-8B", "Llama-2-7B": "meta-llama_Llama-2-7b-hf",
+                "Llama-2-70B": "meta-llama_Llama-2-70b-hf"}.get(m.name)
+    if path is None:
+        if vid_name is None:
+            raise KeyError(f"no vidur profile for {m.name}")
+        path = data_dir() / "vidur" / "profiling_compute" / f"{g.name.split('-')[0].lower()}_{vid_name}_mlp.csv"
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no vidur profile at {path}")
+    per_layer = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
+                 "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+    table: dict[int, float] = {}
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            if int(row["num_tensor_parallel_workers"]) != tp:
+                continue
+            ms = sum(float(row[f"time_stats.{op}.median"]) for op in per_layer) * m.num_layers
+            ms += float(row["time_stats.emb.median"])
+            table[int(row["num_tokens"])] = ms / 1e3
+    if not table:
+        raise ValueError(f"{path}: no rows for tensor parallel {tp}")
+    roof = RooflineCostModel(m, g, tp=tp)
+    xs = sorted(table)
+    ys = [table[x] + roof._ovh for x in xs]
+    coef = {"ctx_tokens": roof._mem_ctx, "prefill_pairs": roof._c_pair, "num_seqs": roof._seq_ovh,
+            "sampled": roof._c_samp}
+    return FittedCostModel(grid_tokens=xs, grid_s=ys, coef=coef, kv_bytes_per_token=m.kv_bytes_per_token,
+                           pcie_bw=roof.pcie_bw, name=f"vidur:{m.name}/{g.name}" + (f"x{tp}" if tp > 1 else ""),
+                           meta={"source": str(path), "kv_capacity_tokens": roof.kv_capacity_tokens()})
+
+
+def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
+                   path: Optional[str | Path] = None) -> FittedCostModel:
+    """Fit to splitwise-sim's measured prompt and per-token times (perf_model.csv:
+    prompt_time for a batch of `batch_size` prompts of `prompt_size`; token_time
+    per decode step of `batch_size` sequences at context ~prompt_size + token_size/2)."""
+    import csv
+    m, g = get_model(model), get_gpu(gpu)
+    path = Path(path) if path else data_dir() / "splitwise_sim" / "perf_model.csv"
+    want_model = m.name.lower().replace("-", "").replace("llama2", "llama2-")  # llama2-70b
+    hw = {"H100": "h100-80gb", "A100-80GB": "a100-80gb"}.get(g.name)
+    samples = []
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            if row["model"] != want_model or row["hardware"] != hw or int(row["tensor_parallel"]) != tp:
+                continue
+            p, b, tok = int(row["prompt_size"]), int(row["batch_size"]), int(row["token_size"])
+            samples.append((BatchShape(num_tokens=p * b, num_seqs=b, num_decode=0, ctx_tokens=p * b,
+                                       prefill_pairs=b * p * (p + 1) // 2, sampled=b),
+                            float(row["prompt_time"]) / 1e3))
+            samples.append((BatchShape.decode([p + tok // 2] * b), float(row["token_time"]) / 1e3))
+    if not samples:
+        raise ValueError(f"{path}: no rows for {want_model} on {hw} with tp={tp}")
+    roof = RooflineCostModel(m, g, tp=tp)
+    fitted = fit_cost_model(samples, kv_bytes_per_token=m.kv_bytes_per_token, pcie_bw=roof.pcie_bw,
+                            features=("ctx_tokens", "prefill_pairs"),
+                            name=f"splitwise:{m.name}/{g.name}x{tp}",
+                            meta={"source": str(path), "kv_capacity_tokens": roof.kv_capacity_tokens()})
+    return fitted
+
+
+
+__all__ = ["FEATURES", "FittedCostModel", "load_cost_model", "fit_cost_model", "from_vidur", "from_splitwise",
+           "data_dir"]
