@@ -99,6 +99,23 @@ def build_workload(args):
     return reqs
 
 
+def write_outputs(out: Path, summary: dict, res, args) -> None:
+    """summary.json and plots, records.jsonl, errors.jsonl, timeseries.json."""
+    from shepherd.bench import report
+    out.mkdir(parents=True, exist_ok=True)
+    st = res.server_timeseries
+    ts = st if len(st.get("t", ())) > 1 and "kv_used" in st else None  # the KV plot needs KV tokens
+    title = args.label or f"bench {args.url} ({res.model})"
+    report.write_report(out, summary, res.records, timeseries=ts, plots=args.plots, title=title)
+    with open(out / "records.jsonl", "w") as f:
+        for r in res.records:
+            f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+    with open(out / "errors.jsonl", "w") as f:
+        for e in res.errors:
+            f.write(json.dumps(e) + "\n")
+    (out / "timeseries.json").write_text(json.dumps({"client": res.timeseries, "server": res.server_timeseries}))
+
+
 def main(args) -> int:
     from shepherd.bench import loadgen, prompts
     from shepherd.bench import report
@@ -163,18 +180,7 @@ def main(args) -> int:
     if m.get("preemptions") is not None:
         summary["preemptions"] = m["preemptions"]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    st = res.server_timeseries
-    ts = st if len(st.get("t", ())) > 1 and "kv_used" in st else None  # the KV plot needs KV tokens
-    report.write_report(out, summary, recs, timeseries=ts, plots=args.plots, title=args.label)
-    with open(out / "records.jsonl", "w") as f:
-        for r in recs:
-            f.write(json.dumps(dataclasses.asdict(r)) + "\n")
-    with open(out / "errors.jsonl", "w") as f:
-        for e in res.errors:
-            f.write(json.dumps(e) + "\n")
-    (out / "timeseries.json").write_text(json.dumps({"client": res.timeseries, "server": res.server_timeseries}))
-
+    write_outputs(out, summary, res, args)
     print(report.format_table(summary))
     failed = [r for r in recs if not r.ok]
     if failed:

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 
 import httpx
 
+from shepherd.bench.metrics_poll import MetricsPoller, auth_headers, parse_prometheus  # noqa: F401 (re-exported)
 from shepherd.bench.prompts import BuiltPrompt
 from shepherd.bench.records import RequestRecord, TraceRequest
 
@@ -76,10 +77,7 @@ def base_url(url: str) -> str:
 
 
 def headers(api_key: Optional[str]) -> dict:
-    h = {"Content-Type": "application/json"}
-    if api_key:
-        h["Authorization"] = f"Bearer {api_key}"
-    return h
+    return auth_headers(api_key)
 
 
 async def discover_model(url: str, api_key: Optional[str] = None, timeout: float = 30.0) -> str:
@@ -175,6 +173,28 @@ def _error_kind(exc: BaseException) -> str:
     return "error"
 
 
+def _apply_usage(rec: RequestRecord, chunks: int, usage: Optional[dict], prog: _Progress) -> None:
+    """Token counts from the server's usage block when there is one (a chunk can carry
+    several tokens), else the streamed chunks."""
+    if usage:
+        ct = usage.get("completion_tokens")
+        if isinstance(ct, int):
+            extra = ct - chunks
+            rec.output_tokens = ct
+            if extra > 0:
+                prog.tokens += extra
+        pt = usage.get("prompt_tokens")
+        if isinstance(pt, int) and pt > 0:
+            rec.prompt_tokens = pt
+        det = usage.get("prompt_tokens_details") or {}
+        if isinstance(det.get("cached_tokens"), int):
+            rec.cached_tokens = det["cached_tokens"]
+    if not rec.output_tokens:
+        rec.output_tokens = chunks
+    if rec.ok and rec.first_token is None and rec.output_tokens > 0:
+        rec.first_token = rec.finish  # tokens reported but none streamed: count at the end
+
+
 async def _one(client: httpx.AsyncClient, cfg: LoadConfig, model: str, br: BenchRequest,
                t0: float, scheduled: float, prog: _Progress, errors: list[dict]) -> RequestRecord:
     now = lambda: time.perf_counter() - t0  # noqa: E731
@@ -242,25 +262,8 @@ async def _one(client: httpx.AsyncClient, cfg: LoadConfig, model: str, br: Bench
         rec.ok, rec.error_kind = False, _error_kind(e)
         errors.append({"req_id": br.req_id, "kind": rec.error_kind,
                        "message": f"{type(e).__name__}: {e}"[:500]})
-    chunks, usage = state["chunks"], state["usage"]
     rec.finish = now()
-    if usage:
-        ct = usage.get("completion_tokens")
-        if isinstance(ct, int):
-            extra = ct - chunks
-            rec.output_tokens = ct
-            if extra > 0:
-                prog.tokens += extra
-        pt = usage.get("prompt_tokens")
-        if isinstance(pt, int) and pt > 0:
-            rec.prompt_tokens = pt
-        det = usage.get("prompt_tokens_details") or {}
-        if isinstance(det.get("cached_tokens"), int):
-            rec.cached_tokens = det["cached_tokens"]
-    if not rec.output_tokens:
-        rec.output_tokens = chunks
-    if rec.ok and rec.first_token is None and rec.output_tokens > 0:
-        rec.first_token = rec.finish  # tokens reported but none streamed: count at the end
+    _apply_usage(rec, state["chunks"], state["usage"], prog)
     prog.in_flight -= 1
     if rec.ok:
         prog.done += 1
@@ -281,7 +284,7 @@ async def run_load(requests: Sequence[BenchRequest], cfg: LoadConfig) -> LoadRes
     prog = _Progress(n, cfg.progress, cfg.progress_interval)
     errors: list[dict] = []
     scale = cfg.time_scale if cfg.time_scale and cfg.time_scale > 0 else 1.0
-    poller = _MetricsPoller(cfg) if cfg.poll_metrics else None
+    poller = MetricsPoller(cfg.api_key) if cfg.poll_metrics else None
     order = sorted(range(n), key=lambda i: requests[i].trace.arrival)
     start_arrival = requests[order[0]].trace.arrival if n else 0.0
     results: list[Optional[RequestRecord]] = [None] * n
@@ -348,103 +351,6 @@ _COUNTERS = {
     "vllm:prefix_cache_hits_total": "prefix_hits",
 }
 
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum each metric over its label sets: {name: value} (comments skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        try:
-            name_part, value = line.rsplit(None, 1) if "}" not in line else line.rsplit("}", 1)
-            name = name_part.split("{", 1)[0].strip()
-            v = float(value.split()[0])
-        except (ValueError, IndexError):
-            continue
-        out[name] = out.get(name, 0.0) + v
-    return out
-
-
-class _MetricsPoller:
-    """Polls the server's /metrics once a second; gives up quietly if there is none."""
-
-    def __init__(self, cfg: LoadConfig):
-        self.cfg = cfg
-        self.series: dict[str, list[float]] = {"t": []}
-        self.first: dict[str, float] = {}
-        self.last: dict[str, float] = {}
-        self.kv_capacity: Optional[float] = None
-        self.kv_peak: Optional[float] = None
-
-    def _take(self, t: float, m: dict[str, float]) -> None:
-        row: dict[str, float] = {}
-        for name, key in _GAUGES.items():
-            if name in m:
-                row[key] = m[name]
-        for name, key in _COUNTERS.items():
-            if name in m:
-                self.first.setdefault(key, m[name])
-                self.last[key] = m[name]
-        for name, v in m.items():  # shepherd's own KV token gauges, if it exports them
-            low = name.lower()
-            if "kv" in low and "token" in low:
-                if "capacity" in low:
-                    self.kv_capacity = v
-                elif "used" in low:
-                    row["kv_used"] = v
-                    self.kv_peak = v if self.kv_peak is None else max(self.kv_peak, v)
-        if self.kv_capacity is not None and "kv_used" in row:
-            row["kv_capacity"] = self.kv_capacity
-        if not row:
-            return
-        self.series["t"].append(round(t, 4))
-        for k, v in row.items():
-            col = self.series.setdefault(k, [None] * (len(self.series["t"]) - 1))
-            col.append(v)
-        n = len(self.series["t"])
-        for k, col in self.series.items():
-            if len(col) < n:
-                col.append(col[-1] if col else None)
-
-    async def run(self, client: httpx.AsyncClient, t0: float, stop: asyncio.Event) -> None:
-        async with client:
-            await asyncio.sleep(0.05)  # let the first requests go out first
-            await self._loop(client, t0, stop)
-
-    async def _loop(self, client: httpx.AsyncClient, t0: float, stop: asyncio.Event) -> None:
-        misses = 0
-        while not stop.is_set():
-            try:
-                r = await client.get("/metrics", headers=headers(self.cfg.api_key), timeout=2.0)
-                if r.status_code == 200:
-                    self._take(time.perf_counter() - t0, parse_prometheus(r.text))
-                    misses = 0
-                else:
-                    misses += 1
-            except Exception:  # noqa: BLE001 - metrics are optional
-                misses += 1
-            if misses >= 3:
-                return
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
-
-    def totals(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        d = {k: self.last[k] - self.first.get(k, 0.0) for k in self.last}
-        if "preemptions" in d:
-            out["preemptions"] = int(d["preemptions"])
-        if d.get("prefix_queries"):
-            out["prefix_hit_rate"] = d.get("prefix_hits", 0.0) / d["prefix_queries"]
-        if self.kv_capacity is not None:
-            out["kv_capacity_tokens"] = int(self.kv_capacity)
-        if self.kv_peak is not None:
-            out["kv_peak_used_tokens"] = int(self.kv_peak)
-        return out
-
-
-# -- synthetic workloads ------------------------------------------------------
 
 def parse_dist(spec: str | int | float):
     """A length distribution: "256" (fixed), "uniform:LO:HI", "normal:MEAN:STD",
