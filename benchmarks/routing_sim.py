@@ -18,7 +18,6 @@ table is what docs/ROUTING.md quotes.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -61,25 +60,21 @@ def run_one(job):
     from shepherd.bench.traces import load_trace
     trace = load_trace(args["trace"], "mooncake", limit=args["limit"], time_scale=args.get("time_scale", 1.0))
     cfg = SimConfig(replicas=args["replicas"], router=name, router_knobs=dict(knobs), progress=False,
+                    keep_records=False,
                     timeseries=False, model=args["model"], gpu=args["gpu"], kv_capacity=args.get("kv_capacity"))
     t0 = time.perf_counter()
     sim = Simulator(cfg)
     res = sim.run(trace)
     wall = time.perf_counter() - t0
     s = res.summary()
-    per = collections.Counter(r.replica for r in res.records if r.replica is not None)
-    counts = [per.get(i, 0) for i in range(args["replicas"])]
-    mean = sum(counts) / len(counts)
-    reasons = {}
-    router = getattr(sim, "_router", None)
-    if router is not None:
-        reasons = dict(router[1].reasons)
+    b = s["hit_rate_bounds"]
     return {"policy": name, "knobs": knobs, "label": label, "prefix_hit_rate": s.get("prefix_hit_rate"),
+            "bound_infinite": b.get("infinite"), "bound_lru": b.get("lru_cluster"),
             "ttft_p50": s["ttft_p50"], "ttft_p99": s["ttft_p99"], "e2e_p50": s["e2e_p50"],
             "throughput_req_s": s["throughput_req_s"], "output_tok_s": s["output_tok_s"],
             "total_tok_s": s["total_tok_s"], "completed": s["completed"], "requests": s["requests"],
-            "per_replica": counts, "max_over_mean": (max(counts) / mean) if mean else None,
-            "reasons": reasons, "wall_s": wall}
+            "per_replica": [r["requests"] for r in s["replicas"]], "max_over_mean": s["balance"]["requests"],
+            "evicted_tokens": s["cache"]["evicted_tokens"], "reasons": s["routing"], "wall_s": wall}
 
 
 def fmt_ms(x):
@@ -91,15 +86,18 @@ def table(rows, ideal, args) -> str:
            f"{args['model']} on {args['gpu']} (roofline cost model)"
            + (f", KV {args['kv_capacity']:,} tokens per replica" if args.get("kv_capacity") else "")
            + (f", arrivals x{args['time_scale']:g} (time scale)" if args.get("time_scale", 1.0) != 1.0 else "")
-           + ". Ideal (one unlimited cache): "
-           f"{ideal * 100:.1f}% of blocks.", "",
-           "| policy | knobs | prefix hit | TTFT p50 ms | TTFT p99 ms | req/s | total tok/s | max/mean req per replica | decisions |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+           + ". Bounds from the trace, over prompt tokens: one unlimited cache "
+           f"{rows[0]['bound_infinite'] * 100:.1f}%, one LRU cache with the cluster's KV "
+           f"{rows[0]['bound_lru'] * 100:.1f}% ({ideal * 100:.1f}% of blocks recur).", "",
+           "| policy | knobs | prefix hit | TTFT p50 ms | TTFT p99 ms | req/s | total tok/s | max/mean req per replica "
+           "| evicted tokens | decisions |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         reasons = ", ".join(f"{k or '-'} {v}" for k, v in sorted(r["reasons"].items(), key=lambda kv: -kv[1]))
         hit = "-" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate'] * 100:.1f}%"
         out.append(f"| {r['policy']} | {r['label']} | {hit} | {fmt_ms(r['ttft_p50'])} | {fmt_ms(r['ttft_p99'])} "
-                   f"| {r['throughput_req_s']:.2f} | {r['total_tok_s']:.0f} | {r['max_over_mean']:.2f} | {reasons} |")
+                   f"| {r['throughput_req_s']:.2f} | {r['total_tok_s']:.0f} | {r['max_over_mean']:.2f} "
+                   f"| {r['evicted_tokens']:,} | {reasons} |")
     return "\n".join(out) + "\n"
 
 
@@ -118,6 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-capacity", type=int, default=None,
                    help="KV tokens per replica (default: from GPU memory); large = routing-only hit rate")
     p.add_argument("--out", default=os.path.join(ROOT, "out", "routing_sim"))
+    p.add_argument("--docs", action="store_true", help="replace the first table in docs/ROUTING.md")
     a = p.parse_args(argv)
     args = {"trace": a.trace, "limit": a.limit, "replicas": a.replicas, "model": a.model, "gpu": a.gpu,
             "kv_capacity": a.kv_capacity, "time_scale": a.time_scale}
@@ -155,7 +154,20 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write(t)
     print(t)
+    if a.docs:
+        write_docs(t)
     return 0
+
+
+def write_docs(table_md: str, mark: str = "routing-sim") -> None:
+    import re
+    path = os.path.join(ROOT, "docs", "ROUTING.md")
+    text = open(path).read()
+    block = f"<!-- {mark} -->\n{table_md}<!-- /{mark} -->"
+    pat = re.compile(rf"<!-- {mark} -->.*?<!-- /{mark} -->", re.S)
+    if not pat.search(text):
+        raise SystemExit(f"docs/ROUTING.md has no <!-- {mark} --> block")
+    open(path, "w").write(pat.sub(lambda m: block, text))
 
 
 if __name__ == "__main__":

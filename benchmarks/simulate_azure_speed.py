@@ -29,7 +29,8 @@ def main() -> None:
     trace = load_trace(a.trace, limit=a.limit)
     t_load = time.perf_counter() - t0
     cfg = SimConfig(model="llama-3-8b", gpu="h100", replicas=a.replicas, router=a.router, fast=not a.slow,
-                    scheduler=SchedulerConfig(prefix_cache=not a.no_prefix_cache), progress=True)
+                    scheduler=SchedulerConfig(prefix_cache=not a.no_prefix_cache), progress=True,
+                    keep_records=False)
     if a.profile:
         import cProfile
         import pstats

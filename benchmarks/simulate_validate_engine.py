@@ -3,17 +3,24 @@
 1. `shepherd calibrate` times the torch executor (driven by the real
    Scheduler) over a grid of batches and writes a fitted cost model;
 2. `shepherd serve` runs the real engine with fixed scheduler knobs;
-3. `shepherd bench` replays a Poisson stream at a light and a saturating rate
-   (the same synthetic spec file for both sides: same arrivals, same lengths);
-4. `shepherd simulate` runs the same spec with the calibrated model and knobs;
-5. prints TTFT p50, TPOT p50 and throughput side by side.
+3. `shepherd bench` replays three Poisson workloads: light, saturating, and a
+   shared-prefix one (every request opens with the same system prompt), the
+   same synthetic spec file for both sides (same arrivals, same lengths);
+4. `shepherd simulate` runs the same specs with the calibrated model (its
+   per-step scheduler overhead included) and the same knobs;
+5. prints TTFT p50, TPOT p50 and throughput side by side and, unless
+   --no-docs, writes the table into docs/SIMULATION.md.
 
-    .venv/bin/python benchmarks/simulate_validate_engine.py [--rates 0.5,4] [--num-requests 60]
-        [--input-len 128] [--output-len 64] [--cost-model FILE] [--out out/validate]
+Run it on a quiet machine, after the engine's speed work has landed: the
+calibration and the benchmark must see the same machine.
+
+    .venv/bin/python benchmarks/simulate_validate_engine.py [--num-requests 60]
+        [--input-len 128] [--output-len 64] [--cost-model FILE] [--out out/validate] [--no-docs]
 """
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +39,9 @@ def run(cmd, **kw):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rates", default="0.5,4")
+    ap.add_argument("--workloads", default="light:0.5:0,saturated:4:0,shared-prefix:2:512",
+                    help="NAME:RATE:SHARED_PREFIX_TOKENS,...")
+    ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--num-requests", type=int, default=60)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -47,7 +56,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     knobs = ["--max-total-tokens", str(a.max_total_tokens), "--max-batch-size", str(a.max_batch_size),
-             "--max-num-tokens", str(a.max_num_tokens), "--no-prefix-cache", "--admission", "optimistic"]
+             "--max-num-tokens", str(a.max_num_tokens), "--admission", "optimistic"]
     threads = ["--num-threads", str(a.num_threads)] if a.num_threads else []
     cost = a.cost_model or str(out / "cost_cpu.json")
     if not a.cost_model:
@@ -68,18 +77,19 @@ def main() -> None:
         else:
             raise SystemExit("server did not come up")
         rows = []
-        for rate in [float(r) for r in a.rates.split(",")]:
-            spec = out / f"spec_{rate:g}.json"
+        for w in a.workloads.split(","):
+            name, rate, shared = w.split(":")
+            spec = out / f"spec_{name}.json"
             spec.write_text(json.dumps({"seed": 1, "num_requests": a.num_requests, "clients": [
-                {"name": "default", "rate": rate, "input_len": f"fixed:{a.input_len}",
-                 "output_len": f"fixed:{a.output_len}"}]}))
-            bdir, sdir = out / f"bench_{rate:g}", out / f"sim_{rate:g}"
+                {"name": "default", "rate": float(rate), "input_len": f"fixed:{a.input_len}",
+                 "output_len": f"fixed:{a.output_len}", "system_prompt_tokens": int(shared)}]}))
+            bdir, sdir = out / f"bench_{name}", out / f"sim_{name}"
             run([PY, "-m", "shepherd", "bench", "--url", url, "--trace", str(spec), "--out", str(bdir),
                  "--no-progress", "--no-plots"])
             run([PY, "-m", "shepherd", "simulate", "--trace", str(spec), "--cost-model", cost,
                  "--model", "smollm2-135m", "--gpu", "cpu", "--out", str(sdir), "--no-progress",
                  "--no-plots"] + knobs)
-            rows.append((rate, json.loads((bdir / "summary.json").read_text()),
+            rows.append((f"{name} ({rate} req/s)", json.loads((bdir / "summary.json").read_text()),
                          json.loads((sdir / "summary.json").read_text())))
     finally:
         server.send_signal(signal.SIGINT)
@@ -87,16 +97,38 @@ def main() -> None:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-    print()
-    print("| rate (req/s) | metric | real engine (bench) | simulated (calibrated) | sim / real |")
-    print("|---:|---|---:|---:|---:|")
-    for rate, b, s in rows:
+    table = render(rows)
+    print(table)
+    if not a.no_docs:
+        write_docs(table, cost)
+
+
+def render(rows) -> str:
+    lines = ["| workload | metric | real engine (bench) | simulated (calibrated) | sim / real |",
+             "|---|---|---:|---:|---:|"]
+    for label, b, s in rows:
         for key, unit, scale in (("ttft_p50", "ms", 1e3), ("tpot_p50", "ms", 1e3),
                                  ("output_tok_s", "tok/s", 1), ("throughput_req_s", "req/s", 1)):
             bv, sv = b.get(key), s.get(key)
-            ratio = f"{sv / bv:.2f}" if bv and sv else "-"
-            print(f"| {rate:g} | {key} | {bv * scale:.1f} {unit} | {sv * scale:.1f} {unit} | {ratio} |"
-                  if bv is not None and sv is not None else f"| {rate:g} | {key} | {bv} | {sv} | - |")
+            if bv is None or sv is None:
+                lines.append(f"| {label} | {key} | {bv} | {sv} | - |")
+                continue
+            ratio = sv / bv if bv else float("nan")
+            flag = "" if abs(ratio - 1) <= 0.10 else " **(>10%)**"
+            lines.append(f"| {label} | {key} | {bv * scale:.1f} {unit} | {sv * scale:.1f} {unit} | {ratio:.2f}{flag} |")
+    return "\n".join(lines)
+
+
+def write_docs(table: str, cost: str, mark: str = "engine-validation") -> None:
+    path = Path(__file__).resolve().parent.parent / "docs" / "SIMULATION.md"
+    text = path.read_text()
+    oh = json.loads(Path(cost).read_text())
+    block = (f"<!-- {mark} -->\n{table}\n\nCalibrated per-step scheduler overhead: "
+             f"{oh.get('cpu_fixed', 0) * 1e3:.3f} ms + {oh.get('cpu_per_req', 0) * 1e6:.1f} us per request. "
+             f"`python benchmarks/simulate_validate_engine.py`, {time.strftime('%Y-%m-%d')}.\n<!-- /{mark} -->")
+    pat = re.compile(rf"<!-- {mark} -->.*?<!-- /{mark} -->", re.S)
+    text = pat.sub(block, text) if pat.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":
