@@ -10,8 +10,10 @@ token at 2 QPS and about 14 ms at 32 QPS.
 Workload: ShareGPT itself is not in the shared data, so its lengths are
 approximated by lognormals with the dataset's usual means under vLLM's
 benchmark sampling (prompt mean 220 tokens, sigma 1.0; output mean 200,
-sigma 0.9), 500 requests, Poisson arrivals at 2 and 32 QPS, and all at once
-for the throughput figure. The roofline model has no CPU in it; the
+sigma 0.9), cut as vLLM's sampler cuts ShareGPT (prompt <= 1,024 tokens,
+prompt + output <= 2,048), 500 requests, Poisson arrivals at 2 and 32 QPS,
+and all at once for the throughput figure; the scheduler as vLLM v0.6's
+defaults (256 sequences, 8,192 batched tokens: no chunked prefill). The roofline model has no CPU in it; the
 per-step overhead (fixed + per request in the batch, `--step-overhead`,
 `--seq-overhead`) is what vLLM's scheduler, input preparation and output
 processing add per step. The script reports the H100 preset (0.45 ms, 0)
@@ -30,12 +32,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from shepherd.bench.synthetic import ClientSpec, SyntheticSpec, synthetic  # noqa: E402
+from shepherd.config import SchedulerConfig  # noqa: E402
 from shepherd.sim.cost_model import make_cost_model  # noqa: E402
 from shepherd.sim.simulator import SimConfig, Simulator  # noqa: E402
 
 PUBLISHED = {"tpot_2qps": 8e-3, "tpot_32qps": 14e-3, "throughput_req_s": 37.0}
-STEP = [0.45e-3, 1e-3, 2e-3, 3e-3, 4e-3]
-SEQ = [0.0, 15e-6, 30e-6, 60e-6]
+STEP = [0.45e-3, 1e-3, 2e-3, 3e-3]
+SEQ = [0.0, 10e-6, 20e-6, 40e-6]
 MARK = "vllm-v06"
 
 
@@ -43,6 +46,9 @@ def workload(rate):
     spec = SyntheticSpec(clients=[ClientSpec("sharegpt", rate=rate or 1e9, input_len="lognormal:220:1.0",
                                              output_len="lognormal:200:0.9")], num_requests=500, seed=0)
     reqs = synthetic(spec)
+    for r in reqs:
+        r.prompt_tokens = min(r.prompt_tokens, 1024)
+        r.output_tokens = max(1, min(r.output_tokens, 2048 - r.prompt_tokens))
     if rate is None:
         for r in reqs:
             r.arrival = 0.0
@@ -53,8 +59,9 @@ def measure(step, seq):
     out = {}
     for key, rate in (("tpot_2qps", 2.0), ("tpot_32qps", 32.0), ("throughput_req_s", None)):
         cost = make_cost_model("llama-3-8b", "h100", step_overhead=step, seq_overhead=seq)
+        sched = SchedulerConfig(max_batch_size=256, max_num_tokens=8192)
         res = Simulator(SimConfig(model="llama-3-8b", gpu="h100", replicas=1, keep_records=False,
-                                  cache_bounds=False, timeseries=False), cost).run(workload(rate))
+                                  cache_bounds=False, timeseries=False, scheduler=sched), cost).run(workload(rate))
         s = res.summary()
         out[key] = s["throughput_req_s"] if rate is None else s["tpot_p50"]
     return out

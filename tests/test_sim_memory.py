@@ -43,3 +43,15 @@ def test_synthetic_arrivals_are_drawn_on_demand():
     first = [next(it) for _ in range(10)]
     assert [r.index for r in first] == list(range(10))
     assert len(list(it)) == 40
+
+
+def test_cli_burst_rate_runs(tmp_path):
+    import json
+
+    from shepherd.cli import main
+    out = tmp_path / "burst"
+    assert main(["simulate", "--rate", "1000000", "--num-requests", "50", "--out", str(out),
+                 "--no-progress", "--no-plots"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["requests"] == 50 and s["completed"] == 50
+    assert s["sim"]["router"] == "least-request"

@@ -238,3 +238,12 @@ def test_request_that_outgrows_the_pool_alone_ends_with_an_error_record():
     (rec,) = res.records
     assert rec.ok is False and rec.error_kind == "error"
     assert rec.finish is not None and 0 < rec.output_tokens < 1000
+
+
+@pytest.mark.parametrize("router", ["least-request", "prefix-aware"])
+def test_quiet_replicas_skipped_by_count_routers_give_the_same_records(router):
+    tr = synth(n=300, rate=12.0, system_prompt_tokens=64)
+    a = run(tr, replicas=4, router=router, skip_quiet=True)
+    b = run(tr, replicas=4, router=router, skip_quiet=False)
+    assert [key(r) for r in a.records] == [key(r) for r in b.records]
+    assert a.routing == b.routing

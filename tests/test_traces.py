@@ -149,3 +149,40 @@ def test_real_traces_slices():
     assert len(az) == 200 and len(mc) == 50 and len(sg) == 300
     assert all(r.hash_ids for r in mc)
     assert len({r.client for r in sg}) > 3
+
+
+def test_readers_are_lazy_and_repeat_shifts_copies(tmp_path):
+    p = tmp_path / "t.csv"
+    rows = [f"2023-11-16 18:15:{10 + i:02d}.0,{100 + i},5" for i in range(6)]
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    it = T.iter_trace(p)
+    assert next(it).arrival == 0.0          # a generator: nothing is read ahead of need beyond the window
+    reqs = list(T.iter_trace(p, repeat=3))
+    assert len(reqs) == 18
+    assert [r.index for r in reqs] == list(range(18))
+    # copy k starts one span plus one mean gap (5 s + 1 s) after copy k-1
+    assert [r.arrival for r in reqs[5:8]] == pytest.approx([5.0, 6.0, 7.0])
+    assert all(a.arrival < b.arrival for a, b in zip(reqs, reqs[1:]))
+
+
+def test_reader_rejects_a_trace_that_goes_back_in_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(T, "REORDER_WINDOW", 2)
+    p = tmp_path / "t.csv"
+    times = [10, 11, 12, 13, 14, 1]
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 + "\n".join(f"2023-11-16 18:15:{t:02d}.0,100,5" for t in times) + "\n")
+    with pytest.raises(T.TraceFormatError, match="back in time"):
+        list(T.iter_trace(p))
+    # local disorder within the window is sorted out
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 + "\n".join(f"2023-11-16 18:15:{t:02d}.0,{t},5" for t in [10, 12, 11, 13]) + "\n")
+    assert [r.prompt_tokens for r in T.iter_trace(p)] == [10, 11, 12, 13]
+
+
+def test_diurnal_rate_follows_the_day():
+    spec = S.SyntheticSpec(clients=[S.ClientSpec("a", rate=0.05, diurnal=0.9)], duration=86400.0, seed=2)
+    reqs = S.synthetic(spec)
+    night = sum(1 for r in reqs if r.arrival < 3 * 3600 or r.arrival >= 21 * 3600)
+    noon = sum(1 for r in reqs if 9 * 3600 <= r.arrival < 15 * 3600)
+    assert noon > 3 * night
+    assert abs(len(reqs) / 86400.0 - 0.05) < 0.01

@@ -71,7 +71,7 @@ class TimeBins:
         if t.size == 0:
             return None
         self._fit(float(t.max()))
-        idx = np.clip((t / self.width).astype(np.int64), 0, self.max_bins - 1)
+        idx = np.minimum((t / self.width).astype(np.int64), self.max_bins - 1)
         s = self.series.get(name)
         if s is None:
             s = self.series[name] = np.zeros(self.max_bins)
@@ -216,13 +216,14 @@ class RecordStats:
             b.add_counts(f"service/{c}", counts * OUTPUT_WEIGHT)
 
     def _add_sample(self, r: RequestRecord) -> None:
-        self.recent.append(_without_tokens(r))
+        # the records themselves: a caller that streams drops their token times after add()
+        self.recent.append(r)
         if len(self.sample) < self.sample_cap:
-            self.sample.append(_without_tokens(r))
+            self.sample.append(r)
             return
         j = self._rng.randrange(self.n)
         if j < self.sample_cap:
-            self.sample[j] = _without_tokens(r)
+            self.sample[j] = r
 
     # -- results -------------------------------------------------------------------
     @property
@@ -265,13 +266,6 @@ class RecordStats:
             alive[i] = arrived - gone_before > 0
             svc[i] = b.get(f"service/{c}")
         return names, alive, svc
-
-
-def _without_tokens(r: RequestRecord) -> RequestRecord:
-    if not r.token_times:
-        return r
-    from dataclasses import replace
-    return replace(r, token_times=[])
 
 
 __all__ = ["RecordStats", "TimeBins", "service_of", "tpot_of", "INPUT_WEIGHT", "OUTPUT_WEIGHT"]

@@ -34,6 +34,7 @@ unique to the request (seeded by `index`). Ids avoid the lowest 256 ids
 from __future__ import annotations
 
 import csv
+import functools
 import heapq
 import itertools
 import json
@@ -355,6 +356,12 @@ def _stream(seed: int, start: int, n: int, vocab_size: int) -> list[int]:
     return (x % span + RESERVED_IDS).tolist()
 
 
+@functools.lru_cache(maxsize=256)
+def _shared_stream(key: str, n: int, vocab_size: int) -> tuple:
+    """A shared piece (block, system prompt, session) of n tokens; they recur, so kept."""
+    return tuple(_stream(_seed_of(key), 0, n, vocab_size))
+
+
 def _seed_of(key: str) -> int:
     import hashlib
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
@@ -394,7 +401,10 @@ def prompt_token_ids(tr: TraceRequest, vocab_size: int, block_size: int = 512) -
         return list(tr.prompt_ids)
     ids: list[int] = []
     for key, start, n in prompt_segments(tr, block_size):
-        ids.extend(_stream(_seed_of(key), start, n, vocab_size))
+        if start == 0 and not key.startswith("req/"):
+            ids.extend(_shared_stream(key, n, vocab_size))
+        else:
+            ids.extend(_stream(_seed_of(key), start, n, vocab_size))
     return ids
 
 

@@ -216,6 +216,10 @@ class Replica:
         self.requests = 0
         self.prompt_tokens = 0
         self.output_tokens = 0
+        # no request joins, leaves or changes state before this time (set by the fast path:
+        # the batch is decode-only and its next finish is later); routers that read only
+        # counts need not wait for this replica to catch up to an arrival before it
+        self.quiet_until = -math.inf
 
     def counters(self) -> dict:
         return {"replica": self.idx, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
@@ -232,6 +236,7 @@ class Replica:
         if not tr.req.params.ignore_eos:
             self.exec.set_output_len(tr.req.req_id, tr.target)
         self.sched.add(tr.req, now)
+        self.quiet_until = -math.inf
         self.tracks[tr.req.req_id] = tr
         self.requests += 1
         self.prompt_tokens += tr.rec.prompt_tokens
@@ -268,6 +273,7 @@ class Replica:
                     tr.move("preempted", t)
 
     def _step(self) -> bool:
+        self.quiet_until = -math.inf
         sched = self.sched
         t0 = self.clock
         batch = sched.schedule(t0)
@@ -392,6 +398,8 @@ class Replica:
                                                     for r in running]))
         members = list(running)
         t_end = float(ends[-1])
+        # the next `stop - k` steps are the same decode-only batch, none of them ends a request
+        self.quiet_until = t_end + (stop - k) * self.cost.decode_step_lb(n, ctx0 + k * n)
         outs = sched.fast_forward(k, tokens, t_end)
         self.clock = t_end
         self.steps += k

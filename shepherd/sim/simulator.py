@@ -56,6 +56,13 @@ from shepherd.sim.replica import Replica, Track, probe
 # replicas catching up to the arrival time. session-affinity is not among them:
 # its fallback for requests without a session reads load.
 LAZY_POLICIES = {"round-robin", "roundrobin", "rr", "random"}
+# Policies that read replica counts (running, waiting, in flight) but not KV use: a
+# replica whose counts cannot change before an arrival (Replica.quiet_until) is not
+# advanced to it; it catches up later with the same steps (the fast path's chunking
+# does not change a token time).
+COUNT_POLICIES = {"least-request", "least-loaded", "shortest-queue", "power-of-two", "p2c", "prefix-aware",
+                  "prefix-cache", "prefix", "cache-aware", "cache_aware", "vtc-basic", "vtc", "session-affinity",
+                  "session"}
 
 
 # --------------------------------------------------------------------------
@@ -87,6 +94,7 @@ class SimConfig:
     keep_records: bool = True             # SimResult.records holds every record; False: only the
                                           # streamed statistics (and on_record) see them: flat memory
     cache_bounds: bool = True             # the infinite / cluster-LRU hit-rate references
+    skip_quiet: bool = True               # see COUNT_POLICIES (False: advance every replica; tests)
 
 
 @dataclass
@@ -285,6 +293,7 @@ class Simulator:
         self.replicas = [Replica(i, self) for i in range(cfg.replicas)]
         self._router = self._make_router()
         self._lazy = self._router is None or cfg.router in LAZY_POLICIES
+        self._skip_quiet = cfg.skip_quiet and cfg.router in COUNT_POLICIES
         self.finished = 0
         self.stats = RecordStats(seed=cfg.seed)
         self._on_record = on_record
@@ -319,12 +328,12 @@ class Simulator:
         rec = RequestRecord(req_id=req.req_id, client=tr.client, arrival=now, prompt_tokens=tr.prompt_tokens)
         if not self._lazy:
             for rep in self.replicas:
-                rep.advance_to(now)
+                if not (self._skip_quiet and now <= rep.quiet_until):
+                    rep.advance_to(now)
         ridx = self._choose(tr, req, now)
         rep = self.replicas[ridx]
         rec.replica = ridx
-        if self._lazy:
-            rep.advance_to(now)
+        rep.advance_to(now)
         try:
             rep.add(Track(rec, req, target), now)
         except (QueueFull, RequestRejected) as e:
