@@ -2,10 +2,17 @@
 real routing policies on a virtual clock, a cost model standing in for the GPU.
 
     sim = Simulator(SimConfig(model="llama-3-8b", gpu="h100", replicas=8), cost_model=None)
-    result = sim.run(trace_requests)            # -> SimResult
-    result.records                              # list[RequestRecord], in arrival order
-    result.summary(slo_ttft=..., slo_tpot=...)  # bench/report.summarize(...) with KV and prefix figures
-    result.timeseries                           # {"t", "kv_used", "kv_capacity", "running", "waiting"} summed over replicas
+    result = sim.run(trace)                     # a list, or any iterable in arrival order (read lazily)
+    result.stats                                # bench/stream.RecordStats: every record, streamed
+    result.records                              # list[RequestRecord], arrival order (SimConfig.keep_records)
+    result.summary(slo_ttft=..., slo_tpot=...)  # bench/report.summarize(...) plus KV, cache, routing figures
+    result.timeseries                           # {"t", "kv_used", "kv_cached", "kv_capacity", "running",
+                                                #  "waiting"} summed over replicas
+
+Memory: a finished request leaves its record to `stats` (and to `on_record`)
+and nothing else; with keep_records=False the record is dropped too, so a run
+holds the requests in flight, the replicas' caches and fixed-size statistics.
+One replica (scheduler, executor, clock, fast path) is sim/replica.py.
 
 The loop
 --------
@@ -15,9 +22,10 @@ Arrivals are taken in order; before a request is routed, the replicas the
 routing policy looks at are advanced to the arrival time: a replica runs
 steps while its clock is before that time (a step that started before an
 arrival finishes after it, as on a GPU), then the request is added with
-now = its arrival. Policies that read no replica state (round-robin, random,
-session-affinity) only advance the chosen replica, so the cost per arrival
-is one replica's work.
+now = its arrival. Policies that read no replica state (round-robin, random)
+only advance the chosen replica, so the cost per arrival is one replica's
+work; policies that read only counts (COUNT_POLICIES) skip a replica whose
+counts cannot change before the arrival (Replica.quiet_until).
 
 The fast path
 -------------
