@@ -140,6 +140,7 @@ def _kv(plt, out: Path, ts: dict, title: str, paths: list) -> None:
 
 def _throughput(plt, out: Path, stats: RecordStats, title: str, paths: list) -> None:
     b = stats.bins
+    b.flush()
     edges = b.edges()
     end = max(stats.end, stats.start + 1e-6)
     nb = min(b.max_bins, int(end / b.width) + 1)
@@ -179,6 +180,7 @@ def _latency(plt, out: Path, stats: RecordStats, title: str, paths: list) -> Non
 def _client_service(plt, out: Path, stats: RecordStats, title: str, paths: list) -> None:
     shown = sorted(stats.clients, key=lambda c: -stats.clients[c].service)[:10]
     b = stats.bins
+    b.flush()
     end = max(stats.end, stats.start + 1e-6)
     nb = min(b.max_bins, int(end / b.width) + 1)
     x = b.edges()[1:nb + 1]

@@ -53,12 +53,18 @@ def service_of(r: RequestRecord, input_weight: float = INPUT_WEIGHT, output_weig
 
 class TimeBins:
     """Named series of per-bin sums over time, all on one grid of at most
-    `max_bins` bins from t = 0; the width doubles (pairs merge) as needed."""
+    `max_bins` bins from t = 0; the width doubles (pairs merge) as needed.
+    Times are buffered and binned in bulk (one bincount per PENDING values)."""
+
+    PENDING = 1 << 16
 
     def __init__(self, width: float = 0.01, max_bins: int = 2048):
         self.width = width
         self.max_bins = max_bins
         self.series: dict[str, np.ndarray] = {}
+        self._pending: dict[str, list] = {}
+        self._npending = 0
+        self._tmax = 0.0
 
     def _fit(self, t_max: float) -> None:
         while t_max >= self.width * self.max_bins:
@@ -66,39 +72,47 @@ class TimeBins:
             for k, v in self.series.items():
                 self.series[k] = np.concatenate([v.reshape(-1, 2).sum(axis=1), np.zeros(self.max_bins // 2)])
 
-    def add(self, name: str, times, weights=None) -> Optional[np.ndarray]:
+    def _series(self, name: str) -> np.ndarray:
+        s = self.series.get(name)
+        if s is None:
+            s = self.series[name] = np.zeros(self.max_bins)
+        return s
+
+    def flush(self) -> None:
+        if not self._npending:
+            return
+        self._fit(self._tmax)
+        for name, parts in self._pending.items():
+            t = np.concatenate([p[0] for p in parts])
+            w = np.concatenate([p[1] for p in parts])
+            idx = np.minimum((t / self.width).astype(np.int64), self.max_bins - 1)
+            self._series(name)[:] += np.bincount(idx, weights=w, minlength=self.max_bins)
+        self._pending.clear()
+        self._npending = 0
+
+    def add(self, name: str, times, weight: float = 1.0) -> None:
         t = np.asarray(times, dtype=np.float64)
         if t.size == 0:
-            return None
-        self._fit(float(t.max()))
-        idx = np.minimum((t / self.width).astype(np.int64), self.max_bins - 1)
-        s = self.series.get(name)
-        if s is None:
-            s = self.series[name] = np.zeros(self.max_bins)
-        counts = np.bincount(idx, weights=weights, minlength=self.max_bins)
-        s += counts
-        return counts
-
-    def add_counts(self, name: str, counts: np.ndarray) -> None:
-        """Add per-bin sums made on the current grid (add's return value)."""
-        s = self.series.get(name)
-        if s is None:
-            s = self.series[name] = np.zeros(self.max_bins)
-        s += counts
+            return
+        self._tmax = max(self._tmax, float(t[-1]) if t.size == 1 else float(t.max()))
+        self._pending.setdefault(name, []).append((t, np.full(t.size, weight)))
+        self._npending += t.size
+        if self._npending >= self.PENDING:
+            self.flush()
 
     def add1(self, name: str, t: float, w: float = 1.0) -> None:
+        # pending times are unbinned, so widening the grid here leaves them right
         if t >= self.width * self.max_bins:
             self._fit(t)
-        s = self.series.get(name)
-        if s is None:
-            s = self.series[name] = np.zeros(self.max_bins)
-        s[max(0, int(t / self.width))] += w
+        self._series(name)[max(0, int(t / self.width))] += w
 
     def get(self, name: str) -> np.ndarray:
+        self.flush()
         s = self.series.get(name)
         return s if s is not None else np.zeros(self.max_bins)
 
     def edges(self) -> np.ndarray:
+        self.flush()
         return np.arange(self.max_bins + 1) * self.width
 
 
@@ -212,8 +226,9 @@ class RecordStats:
         if r.first_token is not None:
             b.add1(f"service/{c}", r.first_token, INPUT_WEIGHT * r.prompt_tokens)
         if r.token_times:
-            counts = b.add("tokens", r.token_times)
-            b.add_counts(f"service/{c}", counts * OUTPUT_WEIGHT)
+            tt = np.asarray(r.token_times, dtype=np.float64)
+            b.add("tokens", tt)
+            b.add(f"service/{c}", tt, OUTPUT_WEIGHT)
 
     def _add_sample(self, r: RequestRecord) -> None:
         # the records themselves: a caller that streams drops their token times after add()
