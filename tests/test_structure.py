@@ -35,18 +35,10 @@ LAYERS = {
 }
 
 # Modules still over MAX_MODULE_LINES, owned by work in flight.
-MODULE_ALLOWLIST = {
-    "shepherd/bench/loadgen.py",        # bench helper
-    "shepherd/sim/cost_model.py",       # sim helper
-    "shepherd/sim/simulator.py",        # sim helper
-}
+MODULE_ALLOWLIST: set = set()
 
 # Functions still over MAX_FUNCTION_LINES ("path:qualified name"), owned by work in flight.
 FUNCTION_ALLOWLIST = {
-    "shepherd/bench/bench_cli.py:main",                         # bench helper
-    "shepherd/bench/loadgen.py:_one",                           # bench helper
-    "shepherd/bench/report.py:summarize",                       # bench helper
-    "shepherd/bench/report.py:write_report",                    # bench helper
     "shepherd/engine/offline.py:run_offline",                   # engine-process helper
     "shepherd/engine/torch_executor.py:TorchExecutor.build_input",  # engine-process helper
 }
@@ -58,9 +50,7 @@ IMPORT_ALLOWLIST = {
 }
 
 # bench <-> sim: while both directions exist, these bench -> sim edges are tolerated.
-BENCH_SIM_ALLOWLIST = {
-    "shepherd/bench/bench_cli.py -> shepherd.sim.traces",   # bench/sim helpers: one direction must go
-}
+BENCH_SIM_ALLOWLIST: set = set()
 
 
 def _modules():

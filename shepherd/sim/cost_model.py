@@ -86,7 +86,7 @@ def astuple_(s: BatchShape) -> tuple:
 
 
 def batch_shape(batch) -> BatchShape:
-    """BatchShape of a shepherd.engine.executor.ScheduledBatch."""
+    """BatchShape of a shepherd.step.ScheduledBatch."""
     t = s = d = ctx = pairs = sampled = dctx = 0
     for seq in batch.seqs:
         n = len(seq.token_ids)

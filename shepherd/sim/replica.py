@@ -12,7 +12,7 @@ import numpy as np
 
 from shepherd.bench.records import RequestRecord
 from shepherd.config import SchedulerConfig
-from shepherd.engine.executor import StepResult
+from shepherd.step import StepResult
 from shepherd.request import FinishReason, Request, RequestState
 
 if TYPE_CHECKING:
@@ -158,19 +158,10 @@ class Series:
 
 
 def probe(sched) -> tuple[int, int, int, int, int]:
-    """(kv_used, kv_cached, running, waiting+swapped, preemptions) cheaply: the
-    scheduler's internals when they are there (stats() copies a dataclass and
-    walks the running set), else stats(). The one place the simulator reads
-    scheduler internals; a public snapshot replaces it."""
-    try:
-        tree = sched.tree
-        cached = tree.evictable_size if tree is not None else 0
-        used = sched.capacity - sched.pool.free_tokens - cached
-        return (used, cached, len(sched._running), len(sched._waiting) + len(sched._swapped),
-                sched._stats.preemptions)
-    except AttributeError:
-        st = sched.stats()
-        return st.kv_used, st.kv_evictable, st.num_running, st.num_waiting + st.num_swapped, st.preemptions
+    """(kv_used, kv_cached, running, waiting+swapped, preemptions), from the
+    scheduler's O(1) snapshot and its KV manager's evictable count."""
+    sn = sched.snapshot()
+    return sn.kv_used, sched.kv.evictable_tokens, sn.num_running, sn.num_waiting + sn.num_swapped, sn.preemptions
 
 
 def count_evictions(sched) -> list[int]:
@@ -178,7 +169,7 @@ def count_evictions(sched) -> list[int]:
     scheduler keeps no such count, so the cache's evict is wrapped here (a
     SchedulerStats counter would replace this)."""
     box = [0]
-    tree = getattr(sched, "tree", None)
+    tree = sched.kv.tree
     if tree is None:
         return box
     evict = tree.evict
@@ -205,7 +196,7 @@ class Replica:
         self.evicted = count_evictions(self.sched)
         self.clock = 0.0
         self.tracks: dict[str, Track] = {}
-        self.fast = cfg.fast and hasattr(self.sched, "decode_horizon") and hasattr(self.sched, "fast_forward")
+        self.fast = cfg.fast
         self.ts = Series(4) if cfg.timeseries else None     # kv_used, kv_cached, running, waiting
         self.kv_peak = 0
         self.cached_peak = 0
@@ -343,7 +334,7 @@ class Replica:
         h = sched.decode_horizon(now)
         if h < 2:
             return False
-        running = sched.running if hasattr(sched, "running") else None
+        running = sched.running
         if not running:
             return False
         n = len(running)

@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tp", type=int, default=1, choices=[1, 2, 4, 8], help="tensor parallel per replica")
     c.add_argument("--replicas", type=int, default=1)
     c.add_argument("--router", default="least-request",
-                   help="routing policy (shepherd/gateway/routing.py; default %(default)s, as `shepherd gateway --policy`)")
+                   help="routing policy (shepherd/routing/; default %(default)s, as `shepherd gateway --policy`)")
     c.add_argument("--router-knob", action="append", default=[], metavar="K=V", help="routing policy knob")
     c.add_argument("--cost-model", default=None,
                    help="roofline (default), vidur, splitwise, or a JSON file from `shepherd calibrate`")

@@ -219,7 +219,7 @@ class Simulator:
     def _make_router(self):
         name = self.cfg.router
         try:
-            from shepherd.gateway import routing as R
+            from shepherd import routing as R
         except ModuleNotFoundError:
             return None
         knobs = dict(self.cfg.router_knobs)
