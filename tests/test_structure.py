@@ -39,15 +39,11 @@ MODULE_ALLOWLIST: set = set()
 
 # Functions still over MAX_FUNCTION_LINES ("path:qualified name"), owned by work in flight.
 FUNCTION_ALLOWLIST = {
-    "shepherd/engine/offline.py:run_offline",                   # engine-process helper
     "shepherd/engine/torch_executor.py:TorchExecutor.build_input",  # engine-process helper
 }
 
 # Upward imports ("path -> module"), owned by work in flight.
-IMPORT_ALLOWLIST = {
-    # the engine-process helper: the caller should build the simulated executor and hand it in
-    "shepherd/engine/core.py -> shepherd.sim.sim_executor",
-}
+IMPORT_ALLOWLIST: set = set()
 
 # bench <-> sim: while both directions exist, these bench -> sim edges are tolerated.
 BENCH_SIM_ALLOWLIST: set = set()

@@ -220,7 +220,7 @@ def run_loop(core: EngineCore, recv: Callable[[Optional[float]], list], send: Ca
 def build_executor(cfg: EngineConfig, tokenizer: Any):
     if cfg.executor == "sim":
         from shepherd.config import ModelConfig
-        from shepherd.sim.sim_executor import SimExecutor
+        from shepherd.engine.sim_executor import SimExecutor
         if tokenizer is None:
             from shepherd.model.loader import load_tokenizer
             tokenizer = load_tokenizer(cfg.model)

@@ -55,23 +55,7 @@ def run_offline(scheduler, executor, requests: Iterable[Request], clock: float =
         while i < len(reqs) and reqs[i].arrival <= now:
             pending.append(reqs[i])
             i += 1
-        still = []
-        full = False
-        for r in pending:
-            if full:                 # keep arrival order; retry next step
-                still.append(r)
-                continue
-            try:
-                scheduler.add(r, now)
-            except RequestRejected as e:
-                _reject(r, str(e))
-            except QueueFull as e:
-                if reject_on_full:
-                    _reject(r, f"queue full: {e}")
-                else:
-                    still.append(r)
-                    full = True
-        pending = still
+        pending = _admit(scheduler, pending, now, _reject, reject_on_full)
         while ai < len(abort_at) and abort_at[ai][0] <= now:
             rid = abort_at[ai][1]
             ai += 1
@@ -116,3 +100,23 @@ def run_offline(scheduler, executor, requests: Iterable[Request], clock: float =
         else:
             idle_steps = 0
     return out
+
+
+def _admit(scheduler, pending: list[Request], now: float, reject: Callable[[Request, str], None],
+           reject_on_full: bool) -> list[Request]:
+    """Offer the waiting requests to the scheduler in arrival order; returns those to retry."""
+    still: list[Request] = []
+    for r in pending:
+        if still:                # keep arrival order: once one is refused, the rest wait too
+            still.append(r)
+            continue
+        try:
+            scheduler.add(r, now)
+        except RequestRejected as e:
+            reject(r, str(e))
+        except QueueFull as e:
+            if reject_on_full:
+                reject(r, f"queue full: {e}")
+            else:
+                still.append(r)
+    return still

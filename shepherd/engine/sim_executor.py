@@ -1,0 +1,188 @@
+"""A simulated Executor: deterministic tokens, modelled step time, no model.
+
+    ex = SimExecutor(kv_capacity=4096, host_kv_capacity=0, max_model_len=8192,
+                     output_lens={"r1": 37}, step_time=my_cost_fn, check=False)
+    result = ex.execute(batch)          # StepResult(tokens=..., step_time=...)
+
+Output length (the "target"): a request stops with EOS after exactly
+`target` output tokens, where target comes from, in order,
+  1. the `output_lens` dict given at construction (req_id -> tokens), or
+     `ex.set_output_len(req_id, n)` later;
+  2. an attribute `sim_output_len` on the Request (`req.sim_output_len = n`,
+     what the simulator sets from a trace's output length);
+  3. otherwise none: the executor never emits EOS and the request runs to
+     params.max_tokens (FinishReason.LENGTH).
+With params.ignore_eos the executor never emits EOS either. A token is never
+EOS (or one of params.stop_token_ids) except that last one.
+
+Tokens are a deterministic function of the previous token and the position
+(so two requests with the same prompt generate the same text, like a greedy
+model, and a preempted or chunked request regenerates the same tokens).
+
+Step time: `step_time(batch) -> seconds`, pluggable (the simulator passes
+sim/cost_model.py's); the default is affine:
+    base + per_token * tokens computed + per_ctx * sum of context lengths
+plus, always, swap ops at `swap_time_per_token` per token moved.
+
+check=True turns the executor into a referee for tests: it keeps a shadow KV
+pool (token id, position) per slot and asserts that every position a sequence
+attends over holds the right token, that no two sequences write one slot in a
+step, that swap-in restores exactly what swap-out saved, and that slots are in
+range.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from shepherd.step import ScheduledBatch, StepResult
+
+
+def affine_step_time(base: float = 0.005, per_token: float = 5e-5, per_ctx: float = 5e-8,
+                     per_seq: float = 0.0) -> Callable[[ScheduledBatch], float]:
+    def f(batch: ScheduledBatch) -> float:
+        if not batch.seqs:
+            return 0.0
+        toks = 0
+        ctx = 0
+        for s in batch.seqs:
+            n = len(s.token_ids)
+            toks += n
+            ctx += s.start_pos + n
+        return base + per_token * toks + per_ctx * ctx + per_seq * len(batch.seqs)
+    return f
+
+
+class SimExecutor:
+    def __init__(self, kv_capacity: int = 65536, host_kv_capacity: int = 0, max_model_len: int = 8192,
+                 eos_token_id: int = 2, output_lens: Optional[dict[str, int]] = None,
+                 step_time: Optional[Callable[[ScheduledBatch], float]] = None,
+                 swap_time_per_token: float = 1e-6, vocab_size: int = 49152, check: bool = False,
+                 eos_token_ids: tuple[int, ...] = (), tokenizer=None, model_name: Optional[str] = None,
+                 paced: bool = False):
+        self.kv_capacity = kv_capacity
+        self.host_kv_capacity = host_kv_capacity
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids) or (eos_token_id,)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.paced = paced    # True: the engine waits out the modelled step time on the wall clock
+        self.eos_token_id = eos_token_id
+        self.output_lens: dict[str, int] = dict(output_lens or {})
+        self.step_time = step_time or affine_step_time()
+        self.swap_time_per_token = swap_time_per_token
+        self.vocab_size = vocab_size
+        self.check = check
+        # counters
+        self.steps = 0
+        self.tokens_computed = 0
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.swapped_out_tokens = 0
+        self.swapped_in_tokens = 0
+        self.busy_time = 0.0
+        self.tokens_by_req: dict[str, int] = {}   # tokens computed per request (prefix-cache tests)
+        # referee state
+        self._kv: dict[int, tuple[int, int]] = {}
+        self._host: dict[str, list[tuple[int, int]]] = {}
+
+    def set_output_len(self, req_id: str, n: int) -> None:
+        self.output_lens[req_id] = n
+
+    def target_len(self, req) -> Optional[int]:
+        if req.params.ignore_eos:
+            return None
+        t = self.output_lens.get(req.req_id)
+        if t is None:
+            t = getattr(req, "sim_output_len", None)
+        return t
+
+    def next_token(self, req) -> int:
+        """The token the request samples next (deterministic; never EOS/stop unless its target is reached)."""
+        idx = len(req.output_ids)
+        t = self.target_len(req)
+        if t is not None and idx + 1 >= t:
+            return self.eos_token_id
+        prev = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
+        pos = len(req.prompt_ids) + idx
+        tok = 3 + (prev * 1000003 + pos * 7919 + 12345) % (self.vocab_size - 3)
+        bad = req.params.stop_token_ids
+        eos = self.eos_token_ids
+        while tok in eos or tok == self.eos_token_id or (bad and tok in bad):
+            tok = 3 + (tok - 3 + 1) % (self.vocab_size - 3)
+        return tok
+
+    def tokens_ahead(self, req, k: int) -> Optional[list[int]]:
+        """The next k tokens the request would sample, or None if one of them
+        would stop it (EOS/stop id) -- for Scheduler.fast_forward."""
+        out = []
+        ids = req.output_ids
+        saved = list(ids)
+        try:
+            for _ in range(k):
+                t = self.next_token(req)
+                if (t in self.eos_token_ids or t == self.eos_token_id) and not req.params.ignore_eos:
+                    return None
+                out.append(t)
+                ids.append(t)
+        finally:
+            del ids[len(saved):]
+        return out
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        self.steps += 1
+        moved = 0
+        for op in batch.swap_out:
+            moved += len(op.slots)
+            self.swapped_out_tokens += len(op.slots)
+            if self.check:
+                self._host[op.req_id] = [self._kv.get(s, (-1, -1)) for s in op.slots]
+        for op in batch.swap_in:
+            moved += len(op.slots)
+            self.swapped_in_tokens += len(op.slots)
+            if self.check:
+                saved = self._host.pop(op.req_id, None)
+                assert saved is not None, f"swap_in of {op.req_id} without a swap_out"
+                assert len(saved) == len(op.slots), (op.req_id, len(saved), len(op.slots))
+                for s, v in zip(op.slots, saved):
+                    self._kv[s] = v
+        tokens: dict[str, int] = {}
+        if self.check:
+            self._referee(batch)
+        for s in batch.seqs:
+            n = len(s.token_ids)
+            self.tokens_computed += n
+            self.tokens_by_req[s.req_id] = self.tokens_by_req.get(s.req_id, 0) + n
+            if s.is_prefill:
+                self.prefill_tokens += n
+            else:
+                self.decode_tokens += n
+            if s.sample:
+                tokens[s.req_id] = self.next_token(s.req)
+        for rid in batch.released:
+            if rid not in {op.req_id for op in batch.swap_out}:
+                self._host.pop(rid, None)
+        t = self.step_time(batch) + moved * self.swap_time_per_token
+        self.busy_time += t
+        return StepResult(tokens=tokens, step_time=t)
+
+    def _referee(self, batch: ScheduledBatch) -> None:
+        written: dict[int, str] = {}
+        for s in batch.seqs:
+            req = s.req
+            ids = req.all_ids
+            end = s.start_pos + len(s.token_ids)
+            assert end <= len(req.slots), f"{req.req_id}: positions up to {end} but {len(req.slots)} slots"
+            assert s.token_ids == ids[s.start_pos:end], f"{req.req_id}: wrong token ids"
+            assert s.sample == (end == len(ids)), f"{req.req_id}: sample flag"
+            for i in range(s.start_pos):
+                got = self._kv.get(req.slots[i])
+                assert got == (ids[i], i), (
+                    f"{req.req_id}: position {i} slot {req.slots[i]} holds {got}, expected {(ids[i], i)}")
+            for i in range(s.start_pos, end):
+                slot = req.slots[i]
+                assert 0 <= slot < self.kv_capacity, f"slot {slot} out of range"
+                assert slot not in written, f"slot {slot} written by {written[slot]} and {req.req_id}"
+                written[slot] = req.req_id
+        for s in batch.seqs:
+            for i in range(s.start_pos, s.start_pos + len(s.token_ids)):
+                self._kv[s.req.slots[i]] = (s.token_ids[i - s.start_pos], i)
