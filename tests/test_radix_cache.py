@@ -56,6 +56,7 @@ def test_lru_evicts_least_recent_leaf_then_parent():
     t.evict(4)                          # [3,4], then [1,2] becomes a leaf and goes too
     assert t.match_len([1, 2, 3, 4]) == 0
     assert pool.free_pages == 32
+    assert t.evicted_total == 8             # every cached token was evicted once, and counted
     t.check()
 
 

@@ -37,6 +37,11 @@ class KVManager:
     def evictable_tokens(self) -> int:
         return self.tree.evictable_size if self.tree is not None else 0
 
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens the prefix cache has evicted so far."""
+        return self.tree.evicted_total if self.tree is not None else 0
+
     def used_tokens(self) -> int:
         ev = self.tree.evictable_size if self.tree is not None else 0
         return self.capacity - self.pool.free_pages * self.page_size - ev

@@ -61,6 +61,7 @@ class RadixCache:
         self.root = Node([], [], None, self._next_id())
         self.root.lock_ref = 1  # never evicted
         self.evictable_size = 0   # tokens in unlocked nodes
+        self.evicted_total = 0    # tokens evicted since creation (reports and metrics)
         self.protected_size = 0   # tokens in locked nodes
         # lazy min-heap of (last_access, id, node) over evictable leaves; stale entries are
         # skipped on pop (node detached, has children, locked, or touched since)
@@ -269,6 +270,7 @@ class RadixCache:
             self._num_nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._push(parent)
+        self.evicted_total += freed
         return freed
 
     # ---- introspection ---------------------------------------------------------

@@ -164,24 +164,6 @@ def probe(sched) -> tuple[int, int, int, int, int]:
     return sn.kv_used, sched.kv.evictable_tokens, sn.num_running, sn.num_waiting + sn.num_swapped, sn.preemptions
 
 
-def count_evictions(sched) -> list[int]:
-    """A one-element list that counts the tokens the prefix cache evicts. The
-    scheduler keeps no such count, so the cache's evict is wrapped here (a
-    SchedulerStats counter would replace this)."""
-    box = [0]
-    tree = sched.kv.tree
-    if tree is None:
-        return box
-    evict = tree.evict
-
-    def counted(num_tokens: int) -> int:
-        freed = evict(num_tokens)
-        box[0] += freed
-        return freed
-    tree.evict = counted
-    return box
-
-
 class Replica:
     def __init__(self, idx: int, sim: "Simulator"):
         from shepherd.scheduler.scheduler import Scheduler
@@ -193,7 +175,6 @@ class Replica:
         self.exec = _make_executor(sim)
         sc = SchedulerConfig(**{**cfg.scheduler.__dict__, "max_total_tokens": sim.kv_capacity})
         self.sched = Scheduler(sc, host_kv_capacity=sim.host_kv, max_model_len=sim.max_model_len)
-        self.evicted = count_evictions(self.sched)
         self.clock = 0.0
         self.tracks: dict[str, Track] = {}
         self.fast = cfg.fast
@@ -215,7 +196,7 @@ class Replica:
     def counters(self) -> dict:
         return {"replica": self.idx, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
                 "output_tokens": self.output_tokens, "kv_peak_used_tokens": self.kv_peak,
-                "cached_peak_tokens": self.cached_peak, "evicted_tokens": self.evicted[0],
+                "cached_peak_tokens": self.cached_peak, "evicted_tokens": self.sched.kv.evicted_tokens,
                 "steps": self.steps}
 
     # -- intake ------------------------------------------------------------
