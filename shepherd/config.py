@@ -102,6 +102,9 @@ class EngineConfig:
     host_kv_tokens: int = 0                       # swap pool size; 0 = same as the device pool when preemption=swap
     batch_invariant: bool = True                  # measured cost at 64 streams under 10 % (docs/MODEL.md)
     num_threads: Optional[int] = None
+    kernels: str = "auto"                         # auto | fused | torch (docs/MODEL.md "Kernels")
+    quantization: str = "none"                    # none | int8 | int4 | auto (GGUF: keep Q4/Q8 blocks)
+    device: str = "cpu"                           # cpu | cuda | cuda:N
     watchdog_timeout: float = 300.0
     log_every_steps: int = 40                     # decode log line cadence
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -69,11 +69,21 @@ class Loop:
         return [list(r.output_ids) for r in reqs]
 
 
-@pytest.fixture(scope="module")
-def ex(default_model_path):
+# every forward path: fused CPU kernels (the default where gcc exists), pure torch, and the
+# int4 / int8 weight-only kernels (over the fused path)
+PATHS = {"fused": dict(kernels="fused"), "torch": dict(kernels="torch"),
+         "int4": dict(kernels="auto", quantization="int4"), "int8": dict(kernels="auto", quantization="int8")}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def ex(default_model_path, request):
     from shepherd.engine.torch_executor import TorchExecutor
+    if request.param == "fused":
+        from shepherd.model import kernels
+        if kernels.load() is None:
+            pytest.skip("no C compiler for the fused kernels")
     e = TorchExecutor(EngineConfig(model=default_model_path, dtype="bfloat16", max_total_tokens=CAPACITY,
-                                   batch_invariant=True))
+                                   batch_invariant=True, **PATHS[request.param]))
     assert e.model.batch_invariant
     return e
 
@@ -201,13 +211,13 @@ def _decode(ex, r, until):
         r.output_ids.append(res.tokens[r.req_id])
 
 
-def test_preempt_recompute_and_swap_give_the_same_tokens(default_model_path, prompts, alone):
+def test_preempt_recompute_and_swap_give_the_same_tokens(default_model_path, ex, prompts, alone):
     """Preemption by recompute (prefill of prompt + generated tokens) and by swap (KV to the
     host pool and back into other slots) leave a request's greedy tokens unchanged."""
     from shepherd.config import SchedulerConfig
     from shepherd.engine.torch_executor import HostPoolFull, TorchExecutor
     ex2 = TorchExecutor(EngineConfig(model=default_model_path, dtype="bfloat16", max_total_tokens=2048,
-                                     host_kv_tokens=600, scheduler=SchedulerConfig(preemption="swap")))
+                                     kernels=ex.cfg.kernels, quantization=ex.cfg.quantization, host_kv_tokens=600, scheduler=SchedulerConfig(preemption="swap")))
     assert ex2.host_kv_capacity == 600
     p = prompts[1]
     # recompute after 6 tokens

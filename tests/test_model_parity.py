@@ -110,19 +110,26 @@ def check_close(ref, got, label):
     return None
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+_HF_REFS: dict = {}
+
+
+# (dtype, weights): the unquantised forward in both dtypes, and the int8 / int4 weight-only
+# kernels (bf16 activations) against the same bf16 reference
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-int8", "bfloat16-int4"])
 def setup(request, default_model_path, prompts):
     transformers = pytest.importorskip("transformers")
     from shepherd.engine.torch_executor import TorchExecutor
-    dtype = request.param
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path),
-        dtype=getattr(torch, dtype))
-    model.eval()
-    refs = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-    del model
-    ex = TorchExecutor(EngineConfig(model=default_model_path, dtype=dtype, max_total_tokens=8192))
-    return dtype, ex, refs
+    dtype, _, q = request.param.partition("-")
+    if dtype not in _HF_REFS:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path),
+            dtype=getattr(torch, dtype))
+        model.eval()
+        _HF_REFS[dtype] = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+        del model
+    ex = TorchExecutor(EngineConfig(model=default_model_path, dtype=dtype, max_total_tokens=8192,
+                                    quantization=q or "none"))
+    return request.param, ex, _HF_REFS[dtype]
 
 
 def test_parity_alone(setup, prompts):

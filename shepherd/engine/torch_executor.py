@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from shepherd.config import EngineConfig
+from shepherd.config import ConfigError, EngineConfig
 from shepherd.model.llama import AttnGroup, LlamaModel, StepInput
 from shepherd.model.loader import LoadedModel, load_model, model_name_for
 from shepherd.model.grammar import GrammarMasks
@@ -46,6 +46,55 @@ def mem_available_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 4 << 30
+
+
+KERNEL_MODES = ("auto", "fused", "torch")
+
+
+def _to_device(inp: StepInput, dev: torch.device) -> StepInput:
+    """The step's index tensors (built on the host) moved to the model's device."""
+    mv = lambda t: None if t is None else t.to(dev, non_blocking=True)
+    for g in inp.groups:
+        g.token_index, g.gather, g.mask = mv(g.token_index), mv(g.gather), mv(g.mask)
+    for name in ("input_ids", "positions", "write_index", "logits_index"):
+        setattr(inp, name, mv(getattr(inp, name)))
+    return inp
+
+
+def _pick_device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name or "cpu")
+    except RuntimeError as e:
+        raise ConfigError(f"--device {name!r}: {e} (use cpu, cuda or cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: CUDA is not available on this machine (torch "
+                                f"{torch.__version__}, {torch.cuda.device_count()} GPUs)")
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
+def _pick_kernels(mode: str, dtype: torch.dtype, device: torch.device):
+    """The fused CPU kernels for `mode` (auto: if they build; fused: must build; torch: off)."""
+    if mode not in KERNEL_MODES:
+        raise ConfigError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
+    if device.type != "cpu":
+        if mode == "fused":
+            raise ConfigError(f"--kernels fused runs on CPU only; on {device} use auto or torch")
+        return None
+    if mode == "torch" or os.environ.get("SHEPHERD_KERNELS") == "torch":
+        return None
+    from shepherd.model import kernels
+    lib = kernels.load() if dtype in (torch.bfloat16, torch.float32) else None
+    if lib is None:
+        if mode == "fused":
+            raise ConfigError("--kernels fused: the fused CPU kernels could not be built or loaded "
+                                "(needs gcc and a bfloat16/float32 model); use --kernels torch")
+        return None
+    return kernels.Kernels(lib, dtype)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -89,8 +138,13 @@ class TorchExecutor:
                    or min(os.cpu_count() or 1, 64))
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
+        self.device = _pick_device(cfg.device)
+        if self.device.type != "cpu" and cfg.quantization == "int4":
+            raise ConfigError("--quantization int4 runs on CPU only (torch's int4 CPU kernel); use int8 or none "
+                                f"on {self.device}")
         if loaded is None:
-            loaded = load_model(cfg.model, cfg.dtype)
+            loaded = load_model(cfg.model, cfg.dtype, quantization=cfg.quantization)
+        self.quantization = loaded.quantization
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = model_name_for(loaded.path)
@@ -99,7 +153,10 @@ class TorchExecutor:
         mcfg = loaded.config
         self.model_config = mcfg
         self.model = LlamaModel(mcfg, loaded.weights, loaded.dtype, batch_invariant=self.batch_invariant,
-                                kv_block=kv_block)
+                                kv_block=kv_block, kernels=_pick_kernels(cfg.kernels, loaded.dtype, self.device),
+                                qweights=loaded.qweights, device=self.device)
+        loaded.qweights = {}
+        self.kernels = "fused" if self.model.kernels is not None else "torch"
         loaded.weights = {}  # the model holds its own (fused) copies
         self.kv_block = kv_block
         per_tok = self.model.kv_bytes_per_token()
@@ -132,9 +189,10 @@ class TorchExecutor:
         self._zeros = torch.zeros(16, dtype=torch.long)
         self._scratch = torch.full((16,), cap, dtype=torch.long)
         self._head_off = (torch.arange(2 * mcfg.num_kv_heads, dtype=torch.long) * (cap + 1)).view(-1, 1)
-        log.info("model %s loaded in %.1fs (%s, %d layers, batch_invariant=%s, threads=%d)",
-                 self.model_name, time.perf_counter() - t0, str(self.dtype).replace("torch.", ""),
-                 mcfg.num_layers, self.batch_invariant, threads)
+        log.info("model %s loaded in %.1fs (%s, weights %s, %d layers, batch_invariant=%s, kernels=%s, "
+                 "device=%s, threads=%d)", self.model_name, time.perf_counter() - t0,
+                 str(self.dtype).replace("torch.", ""), self.quantization, mcfg.num_layers, self.batch_invariant,
+                 self.kernels, self.device, threads)
         log.info("KV cache: %d tokens (%.1f MiB, %d bytes/token); host swap pool: %d tokens",
                  cap, cap * per_tok / 2**20, per_tok, self.host_kv_capacity)
         self._probe_gemm()
@@ -146,13 +204,20 @@ class TorchExecutor:
         m = self.model
         g = torch.Generator().manual_seed(0)
         ok = True
-        for lin in (m.layers[0]["gu"], m.layers[0]["down"], m.layers[0]["qkv"]):
-            x = torch.randn(80, lin.in_features, generator=g).to(m.dtype)
-            full = lin.raw(x)
-            for M in (m.min_rows, m.min_rows + 1, 7, 9, 16, 33):
-                for s in (0, 80 - M):
-                    if not torch.equal(lin.raw(x[s:s + M]), full[s:s + M]):
-                        ok = False
+        lins = (m.layers[0]["gu"], m.layers[0]["down"], m.layers[0]["qkv"], m.lm_head)
+
+        def invariant(rows) -> bool:
+            for lin in lins:
+                x = torch.randn(80, lin.in_features, generator=g).to(m.dtype).to(self.device)
+                full = lin.raw(x)
+                for M in rows:
+                    for s in (0, 80 - M):
+                        if not torch.equal(lin.raw(x[s:s + M]), full[s:s + M]):
+                            return False
+            return True
+        if m.quantized and invariant((1, 2, 3)):
+            m.min_rows = 1       # torch's int8/int4 kernels: a row's bits do not depend on M, even M = 1
+        ok = invariant((m.min_rows, m.min_rows + 1, 7, 9, 16, 33))
         if not ok:
             m.row_tile = 16
             log.warning("GEMM rows are not batch invariant on this CPU: using fixed %d-row tiles", m.row_tile)
@@ -181,8 +246,8 @@ class TorchExecutor:
                                f"({self.host_used}/{self.host_kv_capacity} tokens used)")
         if req_id in self.host:
             self._drop_host(req_id)
-        idx = torch.tensor(slots, dtype=torch.long)
-        self.host[req_id] = (self.k_pool.index_select(2, idx), self.v_pool.index_select(2, idx))
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.host[req_id] = (self.k_pool.index_select(2, idx).cpu(), self.v_pool.index_select(2, idx).cpu())
         self.host_used += n
 
     def _swap_in(self, req_id: str, slots: list[int]) -> None:
@@ -191,9 +256,9 @@ class TorchExecutor:
         k, v = self.host[req_id]
         if k.shape[2] != len(slots):
             raise ExecutorError(f"swap in of {req_id}: {len(slots)} slots for {k.shape[2]} swapped tokens")
-        idx = torch.tensor(slots, dtype=torch.long)
-        self.k_pool.index_copy_(2, idx, k)
-        self.v_pool.index_copy_(2, idx, v)
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.k_pool.index_copy_(2, idx, k.to(self.device))
+        self.v_pool.index_copy_(2, idx, v.to(self.device))
         self._drop_host(req_id)
         st = self.reqs.get(req_id)
         if st is not None:
@@ -219,7 +284,57 @@ class TorchExecutor:
             self.reqs[seq.req.req_id] = st
         return st
 
+    def build_input_fused(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
+        """Input of the fused path: per row its slot, and where its keys are in slot_tab."""
+        ids: list[int] = []
+        pos_parts, write_parts, tab_parts, off_parts, ctx_parts = [], [], [], [], []
+        logits_rows: list[int] = []
+        sampled: list[ScheduledSeq] = []
+        row = tab = max_ctx = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            if n == 0:
+                continue
+            ctx = s.start_pos + n
+            if ctx > self.max_model_len:
+                raise ExecutorError(f"{s.req_id}: context {ctx} exceeds max_model_len {self.max_model_len}")
+            sl = self._state(s).sync(ctx, s.fresh)
+            ids.extend(s.token_ids)
+            pos_parts.append(self._arange[s.start_pos: ctx])
+            write_parts.append(sl[s.start_pos: ctx])
+            tab_parts.append(sl)
+            off_parts.append(self._zeros_n(n) + tab)
+            ctx_parts.append(self._arange[s.start_pos + 1: ctx + 1])
+            tab += ctx
+            max_ctx = max(max_ctx, ctx)
+            if s.sample:
+                logits_rows.append(row + n - 1)
+                sampled.append(s)
+            row += n
+        pad = self.model.min_rows - row if (self.model.batch_invariant and row < self.model.min_rows) else 0
+        if pad:  # padding rows: token 0 at position 0 in the scratch slot, attending to itself
+            ids.extend([0] * pad)
+            pos_parts.append(self._zeros[:pad])
+            write_parts.append(self._scratch[:pad])
+            tab_parts.append(self._scratch[:1])
+            off_parts.append(self._zeros_n(pad) + tab)
+            ctx_parts.append(self._arange[1:2].expand(pad))
+            max_ctx = max(max_ctx, 1)
+        T = row + pad
+        cat = lambda parts: torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        inp = StepInput(input_ids=torch.tensor(ids, dtype=torch.long), positions=cat(pos_parts),
+                        write_index=None, groups=[],
+                        logits_index=None if len(logits_rows) == T else torch.tensor(logits_rows, dtype=torch.long),
+                        num_tokens=T, slots=cat(write_parts), slot_tab=cat(tab_parts), row_off=cat(off_parts),
+                        row_ctx=cat(ctx_parts), max_ctx=max_ctx)
+        return inp, sampled
+
+    def _zeros_n(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.long)
+
     def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
+        if self.model.kernels is not None:
+            return self.build_input_fused(seqs)
         inv = self.model.batch_invariant
         Bk = self.kv_block
         ids: list[int] = []
@@ -311,6 +426,8 @@ class TorchExecutor:
     def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run the forward; returns logits [S, V] (float32) for the seqs that sample."""
         inp, sampled = self.build_input(seqs)
+        if self.device.type != "cpu":
+            inp = _to_device(inp, self.device)
         logits = self.model.forward(inp, self.kv_pool)
         return logits, sampled
 

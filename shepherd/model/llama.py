@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from shepherd.config import ModelConfig
+from shepherd.model.quant import QLinear, cat_rows, dequantize, quantize_int8
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -94,6 +95,13 @@ class StepInput:
     groups: list[AttnGroup]
     logits_index: Optional[torch.Tensor]  # [S] rows whose logits are wanted; None = all rows
     num_tokens: int = 0
+    # fused-kernel path (built when the model has kernels): per row its slot, and the keys it
+    # attends over: slot_tab[row_off[r] : row_off[r] + row_ctx[r]]
+    slots: Optional[torch.Tensor] = None      # [T] long
+    slot_tab: Optional[torch.Tensor] = None   # [sum of ctx per sequence] long
+    row_off: Optional[torch.Tensor] = None    # [T] long
+    row_ctx: Optional[torch.Tensor] = None    # [T] long
+    max_ctx: int = 0
 
 
 class Linear:
@@ -147,12 +155,15 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  batch_invariant: bool = True, kv_block: int = 64, max_pos: Optional[int] = None,
-                 use_mkldnn: bool = True):
+                 use_mkldnn: bool = True, kernels=None, qweights: Optional[dict] = None,
+                 device: Optional[torch.device] = None):
         self.cfg = cfg
+        self.device = torch.device(device or "cpu")
+        self.kernels = kernels     # shepherd.model.kernels.Kernels, or None: pure-torch forward
         self.dtype = dtype
         self.batch_invariant = batch_invariant
         self.kv_block = kv_block
-        self.use_mkldnn = use_mkldnn and torch.backends.mkldnn.is_available()
+        self.use_mkldnn = use_mkldnn and torch.backends.mkldnn.is_available() and self.device.type == "cpu"
         self.H = cfg.num_heads
         self.KVH = cfg.num_kv_heads
         self.G = self.H // self.KVH
@@ -173,34 +184,50 @@ class LlamaModel:
         esz = torch.empty((), dtype=dtype).element_size()
         self._word = torch.int64 if (self.hd * esz) % 8 == 0 else dtype
         W = weights
-        cv = lambda t: t.to(dtype).contiguous()
+        Q = qweights or {}
+        self.quantized = bool(Q)
+        cv = lambda t: t.to(dtype).contiguous().to(self.device)
         self.embed = cv(W["model.embed_tokens.weight"])
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else cv(W["lm_head.weight"]), None, self)
+        head = self.embed if cfg.tie_word_embeddings else cv(W["lm_head.weight"])
+        # quantised models keep the LM head at int8 (as llama.cpp keeps Q8_0/Q6_K there): int4
+        # logits cost more perplexity than the other layers together
+        self.lm_head = QLinear(quantize_int8(head), None, self, dtype) if Q else Linear(head, None, self)
         self.final_norm = cv(W["model.norm.weight"])
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            wqkv = torch.cat([W[p + "self_attn.q_proj.weight"], W[p + "self_attn.k_proj.weight"],
-                              W[p + "self_attn.v_proj.weight"]], 0)
             bqkv = None
             if cfg.attention_bias and (p + "self_attn.q_proj.bias") in W:
                 bqkv = cv(torch.cat([W[p + "self_attn.q_proj.bias"], W[p + "self_attn.k_proj.bias"],
                                      W[p + "self_attn.v_proj.bias"]], 0))
-            wgu = torch.cat([W[p + "mlp.gate_proj.weight"], W[p + "mlp.up_proj.weight"]], 0)
             self.layers.append(dict(
                 ln1=cv(W[p + "input_layernorm.weight"]),
                 ln2=cv(W[p + "post_attention_layernorm.weight"]),
-                qkv=Linear(cv(wqkv), bqkv, self),
-                o=Linear(cv(W[p + "self_attn.o_proj.weight"]), None, self),
-                gu=Linear(cv(wgu), None, self),
-                down=Linear(cv(W[p + "mlp.down_proj.weight"]), None, self),
+                qkv=self._linear(W, Q, [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                        p + "self_attn.v_proj.weight"], bqkv),
+                o=self._linear(W, Q, [p + "self_attn.o_proj.weight"]),
+                gu=self._linear(W, Q, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=self._linear(W, Q, [p + "mlp.down_proj.weight"]),
             ))
         self.max_pos = max_pos or cfg.max_position_embeddings
         cos, sin = rope_tables(cfg, self.max_pos, W.get("rope_freqs"))
         half = self.hd // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
-        self.cos = cos.to(dtype)
-        self.sin_signed = (sin * sign).to(dtype)   # rotate_half(x) * sin == roll(x, half) * sin_signed
+        self.cos = cos.to(dtype).to(self.device)
+        self.sin_signed = (sin * sign).to(dtype).to(self.device)   # rotate_half(x) * sin == roll(x, half) * sin_signed
+        self.cos_half = cos[:, :half].contiguous()  # float32 tables for the fused RoPE
+        self.sin_half = sin[:, :half].contiguous()
+
+    def _linear(self, W: dict, Q: dict, names: list[str], bias=None):
+        """One linear layer over the row-concatenation of `names` (fused QKV, gate-up)."""
+        if all(n in Q for n in names):
+            parts = [Q[n] for n in names]
+            if len({q.kind for q in parts}) > 1:     # mixed GGUF block types: run all at int8
+                parts = [quantize_int8(dequantize(q)) for q in parts]
+            return QLinear(cat_rows(parts), bias, self, self.dtype)
+        if any(n in Q for n in names):
+            raise ValueError(f"{names}: some parts quantised, some not")
+        return Linear(torch.cat([W[n] for n in names], 0).to(self.dtype).contiguous().to(self.device), bias, self)
 
     # ---- kv pool -----------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -209,7 +236,8 @@ class LlamaModel:
     def alloc_kv(self, capacity: int) -> torch.Tensor:
         """One tensor [layers, 2*kv_heads, capacity+1, head_dim]: K heads then V heads.
         Slot `capacity` is a scratch slot for padding rows (never handed to the scheduler)."""
-        return torch.zeros((self.cfg.num_layers, 2 * self.KVH, capacity + 1, self.hd), dtype=self.dtype)
+        return torch.zeros((self.cfg.num_layers, 2 * self.KVH, capacity + 1, self.hd), dtype=self.dtype,
+                           device=self.device)
 
     # ---- primitives ------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -220,6 +248,8 @@ class LlamaModel:
     # ---- forward -----------------------------------------------------------------------
     def forward(self, inp: StepInput, kv_pool: torch.Tensor) -> torch.Tensor:
         """Runs all layers; returns float32 logits for the rows in inp.logits_index."""
+        if self.kernels is not None and inp.slot_tab is not None:
+            return self._forward_fused(inp, kv_pool)
         T = inp.input_ids.shape[0]
         H, KVH, hd = self.H, self.KVH, self.hd
         qs, ks = self.q_size, self.kv_size
@@ -248,6 +278,29 @@ class LlamaModel:
             x = x.index_select(0, inp.logits_index)
         x = self.rms_norm(x, self.final_norm)
         return self.lm_head(x).float()
+
+    def _forward_fused(self, inp: StepInput, kv_pool: torch.Tensor) -> torch.Tensor:
+        """The same layer with fused kernels: 4 GEMMs + 4 kernel calls per layer. The residual
+        add rides in the next RMSNorm; attention reads K/V in the pool by slot."""
+        k = self.kernels
+        H, KVH, hd, eps = self.H, self.KVH, self.hd, self.eps
+        x = F.embedding(inp.input_ids, self.embed)
+        h = k.rmsnorm(x, self.layers[0]["ln1"], eps)
+        for li, L in enumerate(self.layers):
+            pool = kv_pool[li]
+            qkv = L["qkv"](h)
+            k.rope_kv(qkv, H, KVH, hd, inp.positions, self.cos_half, self.sin_half, pool, inp.slots)
+            attn = k.attention(qkv, pool, H, KVH, hd, inp.slot_tab, inp.row_off, inp.row_ctx, inp.max_ctx,
+                               self.scale)
+            k.rmsnorm(x, L["ln2"], eps, delta=L["o"](attn), h=h)
+            d = L["down"](k.silu_mul(L["gu"](h)))
+            if li + 1 < len(self.layers):
+                k.rmsnorm(x, self.layers[li + 1]["ln1"], eps, delta=d, h=h)
+            else:
+                x = x + d
+        if inp.logits_index is not None:
+            x = x.index_select(0, inp.logits_index)
+        return self.lm_head(k.rmsnorm(x.contiguous(), self.final_norm, eps)).float()
 
     def attention(self, q: torch.Tensor, kvp: torch.Tensor, groups: list[AttnGroup], T: int) -> torch.Tensor:
         """q: [T, H, hd] (RoPE applied). Returns [T, H*hd]."""

@@ -54,6 +54,8 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     extra: dict = field(default_factory=dict)
+    qweights: dict = field(default_factory=dict)   # name -> quant.QWeight (linear weights, when quantised)
+    quantization: str = "none"                      # what the linear weights are: none | int8 | int4
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -295,17 +297,38 @@ def _gguf_tensor(t) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def _load_gguf(path: str, dtype: torch.dtype, with_weights: bool = True):
+_LINEAR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                    "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+def _gguf_quant(t, mode: str):
+    """The QWeight for a GGUF linear tensor under `mode`, or None to keep it in float.
+    auto keeps the file's precision where a kernel exists (Q4_0/Q4_1 -> int4, Q8_0 -> int8)."""
+    from gguf import GGMLQuantizationType as Q
+    from shepherd.model import quant
+    shape = tuple(int(x) for x in reversed(list(t.shape)))
+    q4 = t.tensor_type in (Q.Q4_0, Q.Q4_1) and shape[1] % quant.GROUP == 0
+    if mode == "auto":
+        mode = "int4" if q4 else ("int8" if t.tensor_type == Q.Q8_0 else "none")
+    if mode == "none":
+        return None
+    if mode == "int4" and q4:
+        return quant.from_gguf_q4(np.asarray(t.data), shape, has_min=t.tensor_type == Q.Q4_1)
+    return quant.quantize(torch.from_numpy(np.array(_gguf_tensor(t), dtype=np.float32)), mode)
+
+
+def _load_gguf(path: str, dtype: torch.dtype, with_weights: bool = True, quantization: str = "none"):
     reader = _gguf_reader(path, with_tensors=with_weights)
     fields = reader.fields
     name = _gguf_name(fields)
     tokenizer = Tokenizer.from_gguf_fields(fields, name=name)
     if not with_weights:
-        return None, None, tokenizer, name
+        return None, None, tokenizer, name, {}
     cfg = _gguf_config(fields, path)
     arch = fields.get("general.architecture")
     permuted = arch in ("llama", "mistral", "smollm", "smollm2")
     weights: dict[str, torch.Tensor] = {}
+    qweights: dict = {}
     for t in reader.tensors:
         tname = t.name
         if tname.startswith("blk."):
@@ -319,6 +342,14 @@ def _load_gguf(path: str, dtype: torch.dtype, with_weights: bool = True):
         else:
             log.warning("ignoring GGUF tensor %s", tname)
             continue
+        qw = _gguf_quant(t, quantization) if rest_is(tname, _LINEAR_SUFFIXES) else None
+        if qw is not None:
+            from shepherd.model.quant import permute_rows
+            if permuted and rest_is(tname, ("attn_q.weight", "attn_k.weight")):
+                nh = cfg.num_heads if rest_is(tname, ("attn_q.weight",)) else cfg.num_kv_heads
+                qw = permute_rows(qw, lambda a, nh=nh: _unpermute(a, nh))
+            qweights[hf] = qw
+            continue
         arr = _gguf_tensor(t)
         if permuted and rest_is(tname, ("attn_q.weight", "attn_q.bias")):
             arr = _unpermute(arr, cfg.num_heads)
@@ -327,8 +358,8 @@ def _load_gguf(path: str, dtype: torch.dtype, with_weights: bool = True):
         ten = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
         weights[hf] = ten if hf == "rope_freqs" else ten.to(dtype)
     cfg.tie_word_embeddings = "lm_head.weight" not in weights
-    _check_weights(weights, cfg, path)
-    return cfg, weights, tokenizer, name
+    _check_weights({**weights, **qweights}, cfg, path)
+    return cfg, weights, tokenizer, name, qweights
 
 
 def rest_is(tname: str, suffixes) -> bool:
@@ -430,17 +461,28 @@ def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
     raise ModelLoadError(f"{path}: not a GGUF file nor a Hugging Face folder")
 
 
-def load_model(path: Optional[str] = None, dtype="bfloat16") -> LoadedModel:
-    """Config, weights (Hugging Face names/layout, in `dtype`) and tokenizer."""
+def load_model(path: Optional[str] = None, dtype="bfloat16", quantization: str = "none") -> LoadedModel:
+    """Config, weights (Hugging Face names/layout, in `dtype`) and tokenizer. With
+    quantization int8/int4 (or auto, for a GGUF with Q4/Q8 blocks) the linear layers'
+    weights come back in `qweights` instead (shepherd/model/quant.py)."""
+    from shepherd.model.quant import QUANT_MODES, quantize
+    if quantization not in QUANT_MODES:
+        raise ModelLoadError(f"quantization must be one of {QUANT_MODES}, got {quantization!r}")
     path = _check_path(path)
     tdtype = resolve_dtype(dtype)
     if _is_gguf(path):
-        cfg, weights, tok, name = _load_gguf(path, tdtype)
+        cfg, weights, tok, name, qweights = _load_gguf(path, tdtype, quantization=quantization)
     elif os.path.isdir(path):
         cfg, weights, tok, name = _load_hf(path, tdtype)
+        qweights = {}
+        if quantization in ("int8", "int4"):   # auto keeps a safetensors model's own precision
+            for k in [k for k in weights if k.endswith("_proj.weight")]:
+                qweights[k] = quantize(weights.pop(k), quantization)
     else:
         raise ModelLoadError(f"{path}: not a GGUF file nor a Hugging Face folder")
-    return LoadedModel(config=cfg, weights=weights, tokenizer=tok, path=path, name=name, dtype=tdtype)
+    kinds = sorted({q.kind for q in qweights.values()})
+    return LoadedModel(config=cfg, weights=weights, tokenizer=tok, path=path, name=name, dtype=tdtype,
+                       qweights=qweights, quantization="+".join(kinds) if kinds else "none")
 
 
 def model_name_for(path: Optional[str]) -> str:

@@ -100,6 +100,7 @@ class Sampler:
         if simple:
             tokens = logits.argmax(-1).tolist()
         else:
+            logits = logits.cpu()   # the per-request generators and penalties live on the host
             tokens = [0] * S
             greedy_rows, random_rows = [], []
             rows = []
@@ -123,7 +124,7 @@ class Sampler:
         lps: list[Optional[TokenLogprob]] = [None] * S
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
-            idx = torch.tensor(want, dtype=torch.long)
+            idx = torch.tensor(want, dtype=torch.long, device=logits.device)
             lp = torch.log_softmax(logits.index_select(0, idx), -1)
             n_top = max(int(params[i].logprobs or 0) for i in want)
             top_v, top_i = (torch.topk(lp, n_top, dim=-1) if n_top > 0 else (None, None))

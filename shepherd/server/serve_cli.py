@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--engine-core", choices=["process", "thread"], default="process",
                    help="process: scheduler + executor in a process of their own (default); "
                         "thread: in a thread of the server process")
+    m.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=d.quantization,
+                   help="weight-only int8/int4 linear layers; auto keeps a GGUF's Q4/Q8 blocks (default %(default)s)")
+    m.add_argument("--device", default=d.device, help="cpu | cuda | cuda:N (default %(default)s)")
+    m.add_argument("--kernels", choices=["auto", "fused", "torch"], default=d.kernels,
+                   help="fused CPU kernels (built with gcc at first use) or the pure-torch forward")
     m.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
                    help="seconds one engine step may take before the process dumps stacks and exits "
                         "(default %(default)s)")
@@ -124,6 +129,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     eng = EngineConfig(model=args.model, dtype=args.dtype, executor=args.executor,
                        max_total_tokens=args.max_total_tokens, host_kv_tokens=args.host_kv_tokens,
                        batch_invariant=args.batch_invariant, num_threads=args.num_threads,
+                       quantization=args.quantization, device=args.device, kernels=args.kernels,
                        watchdog_timeout=args.watchdog_timeout, log_every_steps=args.log_every_steps,
                        scheduler=sched)
     if args.kv_cache_memory_fraction is not None:

@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""In-process decode step time at 1 and 64 rows, beside the time of its GEMMs alone.
+
+Builds a TorchExecutor (batch-invariant by default), prefills N distinct prompts of
+~`--ctx` tokens, then times `executor.execute` on decode steps of all N rows (the step
+the engine runs: build input, forward, sampling). "GEMM only" runs the same 121
+products (qkv, o, gate-up, down per layer, and the LM head on the sampled rows) with
+the same M on random inputs: the floor the rest of the step is measured against.
+
+Prints a table and, with --label, writes/updates one row per (label, rows) in
+docs/BENCHMARKS.md between <!-- steptime:start --> and <!-- steptime:end -->.
+
+    python benchmarks/step_time.py                         # 1 and 64 rows, bf16, 2 threads
+    python benchmarks/step_time.py --label "baseline" --quantization int4
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+START, END = "<!-- steptime:start -->", "<!-- steptime:end -->"
+HEAD = ("| change | quant | rows | decode step p50 (ms) | GEMM only (ms) | rest (ms) | device | measured |\n"
+        "|---|---|---|---|---|---|---|---|")
+
+
+def build(args):
+    import torch
+    from shepherd.config import EngineConfig
+    from shepherd.engine.torch_executor import TorchExecutor
+    kw = {}
+    for k in ("quantization", "device", "kernels"):
+        if getattr(args, k, None) is not None and hasattr(EngineConfig, k):
+            kw[k] = getattr(args, k)
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, batch_invariant=not args.no_batch_invariant,
+                       num_threads=args.threads, max_total_tokens=max(args.rows) * (args.ctx + args.steps + 64) + 256,
+                       **kw)
+    t0 = time.perf_counter()
+    ex = TorchExecutor(cfg)
+    print(f"executor ready in {time.perf_counter() - t0:.1f} s (threads {torch.get_num_threads()})", flush=True)
+    return ex
+
+
+def prompts(tok, n, ctx):
+    base = ("Write a long and careful essay about the history of rivers, bridges, trains and the "
+            "people who built them, variant {i}. ") * 20
+    out = []
+    for i in range(n):
+        ids = tok.encode(base.format(i=i))[:ctx]
+        out.append(ids)
+    return out
+
+
+def time_decode(ex, n, args):
+    from shepherd.engine.executor import ScheduledBatch, ScheduledSeq
+    from shepherd.request import Request, RequestState, SamplingParams
+    reqs, slot = [], 0
+    for i, p in enumerate(prompts(ex.tokenizer, n, args.ctx)):
+        r = Request(req_id=f"st{n}-{i}", prompt_ids=p,
+                    params=SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True))
+        r.slots = list(range(slot, slot + len(p) + args.steps + 8))
+        slot += len(r.slots)
+        r.state = RequestState.RUNNING
+        reqs.append(r)
+    for k in range(0, n, 8):   # prefill 8 at a time
+        seqs = [ScheduledSeq(req=r, token_ids=r.prompt_ids, start_pos=0, sample=True, fresh=True)
+                for r in reqs[k:k + 8]]
+        res = ex.execute(ScheduledBatch(step=0, seqs=seqs))
+        for r in reqs[k:k + 8]:
+            r.output_ids.append(res.tokens[r.req_id])
+    times = []
+    for s in range(args.steps + args.warmup):
+        seqs = [ScheduledSeq(req=r, token_ids=[r.output_ids[-1]], start_pos=r.num_tokens - 1, sample=True)
+                for r in reqs]
+        t0 = time.perf_counter()
+        res = ex.execute(ScheduledBatch(step=s + 1, seqs=seqs))
+        dt = time.perf_counter() - t0
+        if s >= args.warmup:
+            times.append(dt)
+        for r in reqs:
+            r.output_ids.append(res.tokens[r.req_id])
+    for r in reqs:
+        r.state = RequestState.FINISHED
+    ex.execute(ScheduledBatch(step=0, released=[r.req_id for r in reqs]))
+    return statistics.median(times) * 1000
+
+
+def time_gemms(ex, n, args):
+    """The step's GEMMs alone, same M (padded as the model pads it), same kernels."""
+    import torch
+    m = ex.model
+    M = n
+    if m.batch_invariant and M < m.min_rows:
+        M = m.min_rows
+    dev = getattr(m, "device", torch.device("cpu"))
+    lins = []
+    for L in m.layers:
+        lins += [L["qkv"], L["o"], L["gu"], L["down"]]
+    lins.append(m.lm_head)
+    xs = {lin.in_features: torch.randn(M, lin.in_features, device=dev).to(m.dtype) for lin in lins}
+    times = []
+    with torch.inference_mode():
+        for s in range(args.steps + args.warmup):
+            t0 = time.perf_counter()
+            for lin in lins:
+                lin.raw(xs[lin.in_features])
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if s >= args.warmup:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def write_rows(rows: list[str], path: Path) -> None:
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    old = []
+    if START in text and END in text:
+        a, b = text.index(START), text.index(END)
+        old = [ln for ln in text[a + len(START):b].strip().splitlines() if ln.startswith("| ") and
+               not ln.startswith("| change") and not ln.startswith("|---")]
+        keys = {tuple(c.strip() for c in r.split("|")[1:4]) for r in rows}
+        old = [ln for ln in old if tuple(c.strip() for c in ln.split("|")[1:4]) not in keys]
+        block = f"{START}\n{HEAD}\n" + "\n".join(old + rows) + f"\n{END}"
+        text = text[:a] + block + text[b + len(END):]
+    else:
+        text = text.rstrip("\n") + f"\n\n{START}\n{HEAD}\n" + "\n".join(rows) + f"\n{END}\n"
+    path.write_text(text)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--ctx", type=int, default=128, help="prompt tokens per row")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-batch-invariant", action="store_true")
+    ap.add_argument("--quantization", default=None, help="none|int8|int4|auto (if the build has it)")
+    ap.add_argument("--device", default=None, help="cpu|cuda|cuda:N (if the build has it)")
+    ap.add_argument("--kernels", default=None, help="auto|fused|torch")
+    ap.add_argument("--label", default=None, help="write rows under this change label into docs/BENCHMARKS.md")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
+    args = ap.parse_args(argv)
+    args.rows = [int(x) for x in args.rows.split(",") if x]
+    import torch
+    ex = build(args)
+    rows = []
+    print(HEAD)
+    for n in args.rows:
+        with torch.inference_mode():
+            step = time_decode(ex, n, args)
+        gemm = time_gemms(ex, n, args)
+        dev = str(getattr(ex, "device", "cpu"))
+        q = getattr(ex, "quantization", "none")
+        row = (f"| {args.label or '-'} | {q} | {n} | {step:.1f} | {gemm:.1f} | {step - gemm:.1f} | {dev} "
+               f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} |")
+        print(row, flush=True)
+        rows.append(row)
+    if args.label:
+        write_rows(rows, Path(args.out))
+        print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

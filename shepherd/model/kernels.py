@@ -1,0 +1,139 @@
+"""Fused CPU kernels (kernels.c), built with gcc at first use and called through ctypes.
+
+Why plain C + ctypes rather than a torch extension: it builds in about a second (a torch
+extension needs the torch headers: a minute on this machine), and the kernels only need
+raw pointers. OpenMP regions run on torch's own libgomp (already loaded by `import torch`,
+same soname), so the two share one thread pool and torch.set_num_threads applies to both.
+
+The build lands in $SHEPHERD_CACHE_DIR (default <repo>/.cache/kernels), keyed by a hash of
+the source and the compiler flags, so a restart reuses it. If gcc is missing or the build
+fails, `load()` returns None and the model runs its pure-torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("shepherd")
+
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
+# -fno-trapping-math lets the float->int step of fexp vectorise; it changes no value.
+_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_lib = None
+_tried = False
+
+
+def cache_dir() -> str:
+    d = os.environ.get("SHEPHERD_CACHE_DIR")
+    if not d:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        d = os.path.join(root, ".cache")
+    return os.path.join(d, "kernels")
+
+
+def _build() -> Optional[str]:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        log.warning("no C compiler found: fused kernels off, pure-torch forward")
+        return None
+    with open(_SRC, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
+    out_dir = cache_dir()
+    so = os.path.join(out_dir, f"shepherd_kernels_{key}.so")
+    if os.path.exists(so):
+        return so
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    r = subprocess.run([cc, *_FLAGS, _SRC, "-o", tmp, "-lm"], capture_output=True, text=True)
+    if r.returncode != 0:
+        os.unlink(tmp)
+        log.warning("building the fused kernels failed (pure-torch forward instead):\n%s", r.stderr[-2000:])
+        return None
+    os.replace(tmp, so)   # atomic: concurrent builders never load a half-written file
+    log.info("fused kernels built in %.1f s (%s)", time.perf_counter() - t0, so)
+    return so
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGS = {
+    "rmsnorm": [_P, _P, _P, _P, _P, _I, _I, _F],
+    "rope_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _P],
+    "silu_mul": [_P, _P, _I, _I],
+    "attention": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _F],
+}
+
+
+def load():
+    """The kernel library, or None (no compiler, build failed, or SHEPHERD_KERNELS=torch)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    try:
+        so = _build()
+        if so is None:
+            return None
+        lib = ctypes.CDLL(so)
+        for suf in ("bf16", "f32"):
+            for name, args in _SIGS.items():
+                fn = getattr(lib, f"{name}_{suf}")
+                fn.argtypes = args
+                fn.restype = None
+        _lib = lib
+    except OSError as e:
+        log.warning("loading the fused kernels failed (%s): pure-torch forward", e)
+        _lib = None
+    return _lib
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+class Kernels:
+    """Typed wrappers for one dtype. Tensors must be contiguous CPU tensors of that dtype
+    (int64 for indices, float32 for the RoPE tables)."""
+
+    def __init__(self, lib, dtype: torch.dtype):
+        suf = {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+        self._rms = getattr(lib, f"rmsnorm_{suf}")
+        self._rope = getattr(lib, f"rope_kv_{suf}")
+        self._silu = getattr(lib, f"silu_mul_{suf}")
+        self._attn = getattr(lib, f"attention_{suf}")
+
+    def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
+        """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""
+        rows, D = x.shape
+        if h is None:
+            h = torch.empty_like(x)
+        self._rms(x.data_ptr(), _ptr(delta), x.data_ptr(), w.data_ptr(), h.data_ptr(), rows, D, eps)
+        return h
+
+    def rope_kv(self, qkv, H, KVH, hd, pos, cos, sin, pool_layer, slots) -> None:
+        self._rope(qkv.data_ptr(), qkv.shape[0], H, KVH, hd, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                   pool_layer.data_ptr(), pool_layer.shape[1], slots.data_ptr())
+
+    def silu_mul(self, gu) -> torch.Tensor:
+        rows, I2 = gu.shape
+        out = gu.new_empty((rows, I2 // 2))
+        self._silu(gu.data_ptr(), out.data_ptr(), rows, I2 // 2)
+        return out
+
+    def attention(self, qkv, pool_layer, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale) -> torch.Tensor:
+        rows = qkv.shape[0]
+        out = qkv.new_empty((rows, H * hd))
+        self._attn(qkv.data_ptr(), qkv.shape[1], pool_layer.data_ptr(), pool_layer.shape[1], out.data_ptr(),
+                   rows, H, KVH, hd, slot_tab.data_ptr(), off.data_ptr(), ctx.data_ptr(), max_ctx, scale)
+        return out

@@ -1,0 +1,128 @@
+/* The kernels for one element type; kernels.c includes this once per type with
+ * T (storage type), LD (T -> float), ST (float -> T) and FN(name) (name_suffix) defined. */
+/* fixed-order dot product: LANES partial sums, then the lanes in order */
+
+static inline float FN(dot)(const float *q, const T *k, int64_t n) {
+    float a[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) a[l] += q[i + l] * LD(k[i + l]);
+    float s = 0.f;
+    for (; i < n; i++) s += q[i] * LD(k[i]);
+    for (int l = 0; l < LANES; l++) s += a[l];
+    return s;
+}
+
+/* x_out = x + delta (if delta), rounded to T; h = w * T(x_out * rsqrt(mean(x_out^2) + eps)) */
+void FN(rmsnorm)(const T *x, const T *delta, T *x_out, const T *w, T *h,
+                   int64_t rows, int64_t D, float eps) {
+    #pragma omp parallel for schedule(static) if(rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *xr = x + r * D;
+        T *xo = x_out + r * D;
+        float a[LANES] = {0};
+        float buf[D];
+        for (int64_t i = 0; i < D; i++) {
+            float v = LD(xr[i]);
+            if (delta) { T t = ST(v + LD(delta[r * D + i])); xo[i] = t; v = LD(t); }
+            buf[i] = v;
+        }
+        int64_t i = 0;
+        for (; i + LANES <= D; i += LANES)
+            for (int l = 0; l < LANES; l++) a[l] += buf[i + l] * buf[i + l];
+        float ss = 0.f;
+        for (; i < D; i++) ss += buf[i] * buf[i];
+        for (int l = 0; l < LANES; l++) ss += a[l];
+        float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        if (h) for (i = 0; i < D; i++) h[r * D + i] = ST(LD(w[i]) * LD(ST(buf[i] * inv)));
+    }
+}
+
+/* RoPE (rotate-half) on the q and k heads of qkv [rows, (H + 2*KVH) * hd], in place; then the
+ * row's k and v heads are written to pool[kvh][slot] and pool[KVH + kvh][slot]. */
+void FN(rope_kv)(T *qkv, int64_t rows, int64_t H, int64_t KVH, int64_t hd,
+                   const int64_t *pos, const float *cos_t, const float *sin_t,
+                   T *pool, int64_t cap1, const int64_t *slots) {
+    const int64_t half = hd / 2, W = (H + 2 * KVH) * hd;
+    for (int64_t r = 0; r < rows; r++) {
+        T *row = qkv + r * W;
+        const float *c = cos_t + pos[r] * half, *s = sin_t + pos[r] * half;
+        for (int64_t h = 0; h < H + KVH; h++) {
+            T *x = row + h * hd;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = LD(x[i]), x2 = LD(x[i + half]);
+                x[i] = ST(x1 * c[i] - x2 * s[i]);
+                x[i + half] = ST(x2 * c[i] + x1 * s[i]);
+            }
+        }
+        for (int64_t j = 0; j < 2 * KVH; j++)
+            memcpy(pool + (j * cap1 + slots[r]) * hd, row + (H + j) * hd, hd * sizeof(T));
+    }
+}
+
+void FN(silu_mul)(const T *gu, T *out, int64_t rows, int64_t I) {
+    #pragma omp parallel for schedule(static) if(rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *restrict gp = gu + r * 2 * I, *restrict up = gp + I;
+        T *restrict op = out + r * I;
+        for (int64_t i = 0; i < I; i++) {
+            float g = LD(gp[i]);
+            op[i] = ST(g / (1.0f + fexp(-g)) * LD(up[i]));
+        }
+    }
+}
+
+/* q: row r, head h at q[r * q_stride + h * hd]. Row r attends over the keys in slots
+ * slot_tab[off[r] .. off[r] + ctx[r]). One work item = (row, kv head): its G query heads
+ * share each K/V read. Two passes (scores + max, then exp and P.V), in key order. */
+void FN(attention)(const T *q, int64_t q_stride, const T *pool, int64_t cap1, T *out,
+                     int64_t rows, int64_t H, int64_t KVH, int64_t hd,
+                     const int64_t *slot_tab, const int64_t *off, const int64_t *ctx,
+                     int64_t max_ctx, float scale) {
+    const int64_t G = H / KVH;
+    #pragma omp parallel
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(G * max_ctx + G * hd * 2 + 16));
+        float *qf = sc + G * max_ctx, *acc = qf + G * hd;
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < rows * KVH; item++) {
+            int64_t r = item / KVH, kh = item % KVH, n = ctx[r];
+            const int64_t *sl = slot_tab + off[r];
+            const T *Kb = pool + kh * cap1 * hd, *Vb = pool + (KVH + kh) * cap1 * hd;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t i = 0; i < hd; i++)
+                    qf[g * hd + i] = LD(q[r * q_stride + (kh * G + g) * hd + i]);
+            float mx[G];
+            for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+            for (int64_t j = 0; j < n; j++) {
+                const T *k = Kb + sl[j] * hd;
+                for (int64_t g = 0; g < G; g++) {
+                    float s = FN(dot)(qf + g * hd, k, hd) * scale;
+                    sc[g * max_ctx + j] = s;
+                    if (s > mx[g]) mx[g] = s;
+                }
+            }
+            float l[G];
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = sc + g * max_ctx, m = mx[g], sum = 0.f;
+                for (int64_t j = 0; j < n; j++) sg[j] = fexp(sg[j] - m);
+                for (int64_t j = 0; j < n; j++) sum += sg[j];
+                l[g] = sum;
+            }
+            memset(acc, 0, sizeof(float) * G * hd);
+            for (int64_t j = 0; j < n; j++) {
+                const T *v = Vb + sl[j] * hd;
+                for (int64_t g = 0; g < G; g++) {
+                    float p = sc[g * max_ctx + j], *a = acc + g * hd;
+                    for (int64_t i = 0; i < hd; i++) a[i] += p * LD(v[i]);
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                T *o = out + r * H * hd + (kh * G + g) * hd;
+                float il = 1.0f / l[g];
+                for (int64_t i = 0; i < hd; i++) o[i] = ST(acc[g * hd + i] * il);
+            }
+        }
+        free(sc);
+    }
+}

@@ -1,0 +1,126 @@
+"""Weight-only int8 / int4: quantised weights and the linear layers that run them on
+torch's own CPU kernels (no dequantise-then-bf16).
+
+  * int8: symmetric, one scale per output row -> `aten._weight_int8pack_mm`.
+  * int4: asymmetric, groups of 32 along K (GGUF's block size), w = (q - 8) * scale + zero
+    -> `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
+
+GGUF blocks load straight into these forms: Q4_0 (w = (q - 8) d) is zero = 0; Q4_1
+(w = q d + m) is zero = m + 8 d; the nibbles are the kernel's q unchanged. Q8_0 has one
+scale per 32 weights, which no torch int8 kernel takes: it is dequantised (exactly) and
+re-quantised per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+QUANT_MODES = ("auto", "none", "int8", "int4")
+GROUP = 32
+
+
+@dataclass
+class QWeight:
+    """A quantised [N, K] weight before packing (rows can still be concatenated/permuted)."""
+    kind: str                         # "int8" | "int4"
+    q: torch.Tensor                   # int8 [N, K] (int8) or int32 0..15 [N, K] (int4)
+    scale: torch.Tensor               # float32 [N] (int8) or [N, K/GROUP] (int4)
+    zero: Optional[torch.Tensor] = None   # float32 [N, K/GROUP] (int4)
+
+    @property
+    def shape(self):
+        return tuple(self.q.shape)
+
+
+def cat_rows(ws: list[QWeight]) -> QWeight:
+    z = None if ws[0].zero is None else torch.cat([w.zero for w in ws], 0)
+    return QWeight(ws[0].kind, torch.cat([w.q for w in ws], 0), torch.cat([w.scale for w in ws], 0), z)
+
+
+def quantize_int8(w: torch.Tensor) -> QWeight:
+    w = w.float()
+    s = (w.abs().amax(1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QWeight("int8", q, s)
+
+
+def quantize_int4(w: torch.Tensor) -> QWeight:
+    N, K = w.shape
+    if K % GROUP:
+        raise ValueError(f"int4 needs K divisible by {GROUP}, got {K}")
+    g = w.float().view(N, K // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    s = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / s[..., None]).clamp_(0, 15).to(torch.int32).view(N, K)
+    return QWeight("int4", q, s, lo + 8 * s)
+
+
+def dequantize(w: QWeight) -> torch.Tensor:
+    if w.kind == "int8":
+        return w.q.float() * w.scale[:, None]
+    N, K = w.shape
+    g = (w.q.float().view(N, K // GROUP, GROUP) - 8) * w.scale[..., None] + w.zero[..., None]
+    return g.view(N, K)
+
+
+def quantize(w: torch.Tensor, kind: str) -> QWeight:
+    return quantize_int8(w) if kind == "int8" else quantize_int4(w)
+
+
+def from_gguf_q4(raw: np.ndarray, shape: tuple[int, int], has_min: bool) -> QWeight:
+    """GGUF Q4_0 (18-byte blocks: f16 d, 16 bytes of nibbles) or Q4_1 (20 bytes: f16 d,
+    f16 m, nibbles) rows -> int4 groups of 32, bit for bit the same weights."""
+    N, K = shape
+    bsz = 20 if has_min else 18
+    b = np.ascontiguousarray(raw).reshape(N, K // GROUP, bsz)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., bsz - 16:]
+    q = np.concatenate([qs & 15, qs >> 4], -1).reshape(N, K).astype(np.int32)
+    if has_min:
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    return QWeight("int4", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def permute_rows(w: QWeight, fn) -> QWeight:
+    """Apply a row permutation written for numpy arrays to every per-row part."""
+    t = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(fn(x.numpy())))
+    return QWeight(w.kind, t(w.q), t(w.scale), t(w.zero))
+
+
+class QLinear:
+    """y = x @ W^T (+ b) with a packed int8 / int4 weight; same interface as llama.Linear."""
+
+    def __init__(self, w: QWeight, b: Optional[torch.Tensor], owner, dtype: torch.dtype):
+        self.kind = w.kind
+        self.b = b
+        self.owner = owner
+        self.out_features, self.in_features = w.shape
+        dev = getattr(owner, "device", torch.device("cpu"))
+        if w.kind == "int8":
+            self.q = w.q.contiguous().to(dev)
+            self.scale = w.scale.to(dtype).to(dev)
+        else:
+            if dev.type != "cpu":
+                raise ValueError("int4 weights run on CPU only (torch's CUDA int4 kernel needs another packing)")
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 1)
+            self.sz = torch.stack([w.scale, w.zero], -1).transpose(0, 1).contiguous().to(dtype)
+
+    def raw(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.sz)
+        return y if self.b is None else y + self.b
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        o = self.owner
+        M = x.shape[0]
+        if o.batch_invariant and M < o.min_rows:
+            return self.raw(torch.cat([x, x.new_zeros((o.min_rows - M, x.shape[1]))], 0))[:M]
+        return self.raw(x)

@@ -1,0 +1,165 @@
+"""Weight-only int8/int4 (shepherd/model/quant.py) and the fused CPU kernels
+(shepherd/model/kernels.c): exact GGUF block loading, kernel numerics against plain
+torch, row independence (what batch invariance rests on), clear errors."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from shepherd.model import quant
+
+
+def _gguf_tensor(path, name):
+    from shepherd.model.loader import _gguf_reader
+    return next(t for t in _gguf_reader(path).tensors if t.name == name)
+
+
+def test_q4_1_blocks_load_bit_exact(default_model_path):
+    """The Q4_1 nibbles, scales and mins become the int4 kernel's q/scale/zero with no
+    rounding: dequantising our form gives gguf's own dequantisation exactly."""
+    import gguf
+    t = _gguf_tensor(default_model_path, "blk.0.ffn_gate.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    N, K = int(t.shape[1]), int(t.shape[0])
+    qw = quant.from_gguf_q4(np.asarray(t.data), (N, K), has_min=True)
+    ref = torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(N, K))
+    assert torch.equal(quant.dequantize(qw), ref.float())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_qlinear_matches_dequantised_matmul_and_rows_are_independent(kind):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=g)
+    qw = quant.quantize(w, kind)
+    owner = type("O", (), {"batch_invariant": True, "min_rows": 1})()
+    lin = quant.QLinear(qw, None, owner, torch.bfloat16)
+    x = torch.randn(40, 128, generator=g).bfloat16()
+    y = lin(x).float()
+    ref = x.float() @ quant.dequantize(qw).t()
+    assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
+    # quantisation error itself is bounded by half a step
+    err = (quant.dequantize(qw) - w).abs().max()
+    assert err <= (0.5 * w.abs().max() / 127 if kind == "int8" else 0.5 * (w.max() - w.min()) / 15) + 1e-6
+    for M in (1, 2, 3, 5, 17):
+        for s in (0, 40 - M):
+            assert torch.equal(lin(x[s:s + M]), lin(x)[s:s + M]), f"M={M} at {s}"
+
+
+def test_bad_quantization_mode_is_a_clear_error(default_model_path):
+    from shepherd.model.loader import ModelLoadError, load_model
+    with pytest.raises(ModelLoadError, match="quantization must be one of"):
+        load_model(default_model_path, "bfloat16", quantization="int3")
+
+
+def test_unavailable_device_is_a_clear_error():
+    from shepherd.config import ConfigError, EngineConfig
+    from shepherd.engine.torch_executor import TorchExecutor
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        TorchExecutor(EngineConfig(device="cuda"))
+    with pytest.raises(ConfigError, match="not supported|use cpu"):
+        TorchExecutor(EngineConfig(device="tpu"))
+
+
+# ----------------------------------------------------------------------------- fused kernels
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def kern(request):
+    from shepherd.model import kernels
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no C compiler: the fused kernels are off (the pure-torch path is tested elsewhere)")
+    return kernels.Kernels(lib, request.param), request.param
+
+
+def _ref_attention(q, K, V, scale):
+    s = (q.float() @ K.float().t()) * scale
+    return torch.softmax(s, -1) @ V.float()
+
+
+def test_fused_attention_reads_the_pool_by_slot(kern):
+    """Rows with different contexts over scattered slots: equal to softmax(qK^T)V over each
+    row's own keys, and each row's bits equal to the row computed alone."""
+    k, dt = kern
+    g = torch.Generator().manual_seed(1)
+    H, KVH, hd, cap = 6, 2, 64, 300
+    pool = torch.randn(2 * KVH, cap + 1, hd, generator=g).to(dt)
+    perm = torch.randperm(cap, generator=g)
+    ctxs = [1, 7, 64, 65, 200]
+    tab, off = [], []
+    for i, c in enumerate(ctxs):
+        off.append(sum(len(t) for t in tab))
+        tab.append(torch.roll(perm, 37 * i)[:c])
+    slot_tab = torch.cat(tab)
+    qkv = torch.randn(len(ctxs), (H + 2 * KVH) * hd, generator=g).to(dt)
+    out = k.attention(qkv, pool, H, KVH, hd, slot_tab, torch.tensor(off), torch.tensor(ctxs), max(ctxs), 0.125)
+    G = H // KVH
+    for r, c in enumerate(ctxs):
+        for h in range(H):
+            kv = h // G
+            sl = tab[r]
+            ref = _ref_attention(qkv[r, h * hd:(h + 1) * hd].view(1, hd), pool[kv, sl], pool[KVH + kv, sl], 0.125)
+            got = out[r, h * hd:(h + 1) * hd].float()
+            assert (got - ref[0]).abs().max() < (2e-2 if dt == torch.bfloat16 else 1e-5)
+        alone = k.attention(qkv[r:r + 1].contiguous(), pool, H, KVH, hd, tab[r].contiguous(), torch.tensor([0]),
+                            torch.tensor([c]), c, 0.125)
+        assert torch.equal(alone[0], out[r])
+
+
+def test_fused_rmsnorm_silu_rope_match_torch(kern):
+    k, dt = kern
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 576, generator=g).to(dt)
+    d = torch.randn(9, 576, generator=g).to(dt)
+    w = torch.randn(576, generator=g).to(dt)
+    ref_x = (x.float() + d.float()).to(dt)
+    xf = ref_x.float()
+    ref_h = (w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))).to(dt)
+    xx = x.clone()
+    h = k.rmsnorm(xx, w, 1e-5, delta=d)
+    assert torch.equal(xx, ref_x)
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    assert ((h.float() - ref_h.float()).abs() <= tol * (1 + ref_h.float().abs())).all()
+    gu = torch.randn(5, 2 * 64, generator=g).to(dt)
+    ref = torch.nn.functional.silu(gu[:, :64].float()) * gu[:, 64:].float()
+    assert ((k.silu_mul(gu).float() - ref).abs() <= tol * (1 + ref.abs())).all()
+    # RoPE + K/V write: positions 0 and 5, slots 3 and 1
+    H, KVH, hd = 2, 1, 8
+    qkv = torch.randn(2, (H + 2 * KVH) * hd, generator=g).to(dt)
+    orig = qkv.clone()
+    pool = torch.zeros(2 * KVH, 4, hd, dtype=dt)
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    ang = torch.outer(torch.arange(8).float(), inv)
+    k.rope_kv(qkv, H, KVH, hd, torch.tensor([0, 5]), ang.cos().contiguous(), ang.sin().contiguous(), pool,
+              torch.tensor([3, 1]))
+    assert torch.equal(qkv[0, :hd], orig[0, :hd])                        # position 0: no rotation
+    x1, x2 = orig[1, :hd // 2].float(), orig[1, hd // 2:hd].float()
+    c, s = ang[5].cos(), ang[5].sin()
+    assert torch.allclose(qkv[1, :hd // 2].float(), x1 * c - x2 * s, atol=tol, rtol=tol)
+    assert torch.equal(pool[0, 3], qkv[0, H * hd:(H + 1) * hd])           # K of row 0 -> slot 3
+    assert torch.equal(pool[1, 1], orig[1, (H + 1) * hd:])                # V of row 1 -> slot 1
+    assert math.isfinite(float(pool.float().sum()))
+
+
+# ----------------------------------------------------------------------------- real model
+@pytest.mark.model
+def test_quantised_perplexity_within_budget(default_model_path):
+    """int8 within 2 %, int4 within 5 % of the unquantised forward's perplexity."""
+    import importlib.util
+    import pathlib
+    from shepherd.config import EngineConfig
+    from shepherd.engine.torch_executor import TorchExecutor
+    spec = importlib.util.spec_from_file_location(
+        "quant_quality", pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "quant_quality.py")
+    qq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qq)
+    ppl = {}
+    for q in ("none", "int8", "int4"):
+        ex = TorchExecutor(EngineConfig(model=default_model_path, dtype="bfloat16", quantization=q,
+                                        max_total_tokens=1024))
+        assert ex.quantization == q if q != "none" else ex.quantization == "none"
+        ppl[q] = qq.perplexity(ex, ex.tokenizer.encode(qq.TEXT))
+    assert 1.0 < ppl["none"] < 100
+    assert ppl["int8"] <= ppl["none"] * 1.02, ppl
+    assert ppl["int4"] <= ppl["none"] * 1.05, ppl
