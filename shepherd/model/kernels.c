@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 
@@ -43,6 +46,35 @@ static inline float fexp(float x) {
     return p;
 }
 static inline float idf(float f) { return f; }
+
+/* a fixed reduction tree over the LANES partial sums (vectorises; a serial chain does not) */
+static inline float hsum(float *a) {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps(_mm512_loadu_ps(a));   /* in registers: no store-forwarding stalls */
+#else
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) a[l] += a[l + w];
+    return a[0];
+#endif
+}
+
+/* q . k over n floats (the attention's hot loop) */
+static inline float fdot(const float *q, const float *k, int64_t n) {
+    int64_t i = 0;
+    float s = 0.f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+    for (; i < n; i++) s += q[i] * k[i];
+    return _mm512_reduce_add_ps(acc) + s;
+#else
+    float a[LANES] = {0};
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) a[l] += q[i + l] * k[i + l];
+    for (; i < n; i++) s += q[i] * k[i];
+    return hsum(a) + s;
+#endif
+}
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)

@@ -52,7 +52,14 @@ def _build() -> Optional[str]:
     so = os.path.join(out_dir, f"shepherd_kernels_{key}.so")
     if os.path.exists(so):
         return so
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError:   # e.g. an installed, read-only package tree
+        out_dir = os.path.join(tempfile.gettempdir(), "shepherd-kernels")
+        os.makedirs(out_dir, exist_ok=True)
+        so = os.path.join(out_dir, os.path.basename(so))
+        if os.path.exists(so):
+            return so
     t0 = time.perf_counter()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
@@ -92,7 +99,7 @@ def load():
                 fn.argtypes = args
                 fn.restype = None
         _lib = lib
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - any failure here means: run the pure-torch path
         log.warning("loading the fused kernels failed (%s): pure-torch forward", e)
         _lib = None
     return _lib

@@ -2,15 +2,15 @@
  * T (storage type), LD (T -> float), ST (float -> T) and FN(name) (name_suffix) defined. */
 /* fixed-order dot product: LANES partial sums, then the lanes in order */
 
-static inline float FN(dot)(const float *q, const T *k, int64_t n) {
+/* sum of x[0..n) in LANES partial sums and a fixed tree */
+static inline float FN(vsum)(const float *x, int64_t n) {
     float a[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) a[l] += q[i + l] * LD(k[i + l]);
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) a[l] += x[j + l];
     float s = 0.f;
-    for (; i < n; i++) s += q[i] * LD(k[i]);
-    for (int l = 0; l < LANES; l++) s += a[l];
-    return s;
+    for (; j < n; j++) s += x[j];
+    return hsum(a) + s;
 }
 
 /* x_out = x + delta (if delta), rounded to T; h = w * T(x_out * rsqrt(mean(x_out^2) + eps)) */
@@ -32,7 +32,7 @@ void FN(rmsnorm)(const T *x, const T *delta, T *x_out, const T *w, T *h,
             for (int l = 0; l < LANES; l++) a[l] += buf[i + l] * buf[i + l];
         float ss = 0.f;
         for (; i < D; i++) ss += buf[i] * buf[i];
-        for (int l = 0; l < LANES; l++) ss += a[l];
+        ss += hsum(a);
         float inv = 1.0f / sqrtf(ss / (float)D + eps);
         if (h) for (i = 0; i < D; i++) h[r * D + i] = ST(LD(w[i]) * LD(ST(buf[i] * inv)));
     }
@@ -83,7 +83,7 @@ void FN(attention)(const T *q, int64_t q_stride, const T *pool, int64_t cap1, T 
     #pragma omp parallel
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(G * max_ctx + G * hd * 2 + 16));
-        float *qf = sc + G * max_ctx, *acc = qf + G * hd;
+        float *qf = sc + G * max_ctx, *acc = qf + G * hd, row[hd];
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < rows * KVH; item++) {
             int64_t r = item / KVH, kh = item % KVH, n = ctx[r];
@@ -96,25 +96,26 @@ void FN(attention)(const T *q, int64_t q_stride, const T *pool, int64_t cap1, T 
             for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
             for (int64_t j = 0; j < n; j++) {
                 const T *k = Kb + sl[j] * hd;
+                for (int64_t i = 0; i < hd; i++) row[i] = LD(k[i]);
                 for (int64_t g = 0; g < G; g++) {
-                    float s = FN(dot)(qf + g * hd, k, hd) * scale;
+                    float s = fdot(qf + g * hd, row, hd) * scale;
                     sc[g * max_ctx + j] = s;
                     if (s > mx[g]) mx[g] = s;
                 }
             }
             float l[G];
             for (int64_t g = 0; g < G; g++) {
-                float *sg = sc + g * max_ctx, m = mx[g], sum = 0.f;
+                float *sg = sc + g * max_ctx, m = mx[g];
                 for (int64_t j = 0; j < n; j++) sg[j] = fexp(sg[j] - m);
-                for (int64_t j = 0; j < n; j++) sum += sg[j];
-                l[g] = sum;
+                l[g] = FN(vsum)(sg, n);
             }
             memset(acc, 0, sizeof(float) * G * hd);
             for (int64_t j = 0; j < n; j++) {
                 const T *v = Vb + sl[j] * hd;
+                for (int64_t i = 0; i < hd; i++) row[i] = LD(v[i]);
                 for (int64_t g = 0; g < G; g++) {
                     float p = sc[g * max_ctx + j], *a = acc + g * hd;
-                    for (int64_t i = 0; i < hd; i++) a[i] += p * LD(v[i]);
+                    for (int64_t i = 0; i < hd; i++) a[i] += p * row[i];
                 }
             }
             for (int64_t g = 0; g < G; g++) {
