@@ -92,11 +92,13 @@ async def _shepherd_run(engine, prompts, max_tokens):
     return {"tok_s": ntok / wall, "ttft_p50": p50(ttft), "tpot_p50": p50(tpot), "wall_s": wall, "tokens": ntok}
 
 
-def bench_shepherd(model, dtype, batch_invariant, streams, max_tokens, prompts_all):
+def bench_shepherd(model, dtype, batch_invariant, streams, max_tokens, prompts_all, device="cpu",
+                   quantization="none"):
     from shepherd.config import EngineConfig, SchedulerConfig
     from shepherd.engine.engine import Engine
 
-    cfg = EngineConfig(model=model, dtype=dtype, batch_invariant=batch_invariant,
+    cfg = EngineConfig(model=model, dtype=dtype, batch_invariant=batch_invariant, device=device,
+                       quantization=quantization,
                        max_total_tokens=max(streams) * (max(len(p) for p in prompts_all) + max_tokens + 16) + 4096,
                        scheduler=SchedulerConfig(max_batch_size=max(256, max(streams))))
     res = {}
@@ -190,7 +192,7 @@ def served_table(inproc: dict, served: dict[str, dict], streams) -> str:
 
 
 # ----------------------------------------------------------------------------- HF generate
-def bench_hf(model_path, dtype, streams, max_tokens, prompts_all, pad_id):
+def bench_hf(model_path, dtype, streams, max_tokens, prompts_all, pad_id, device="cpu"):
     import torch
     import transformers
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -205,7 +207,7 @@ def bench_hf(model_path, dtype, streams, max_tokens, prompts_all, pad_id):
         tmp = tempfile.TemporaryDirectory(prefix="shepherd-hf-")
         save_hf_folder(load_model(model_path, dtype), tmp.name)
         model_path = tmp.name
-    m = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    m = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
     m.eval()
 
     class FirstToken(LogitsProcessor):
@@ -227,7 +229,7 @@ def bench_hf(model_path, dtype, streams, max_tokens, prompts_all, pad_id):
         ft = FirstToken()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = m.generate(input_ids=ids, attention_mask=att, max_new_tokens=n_new, min_new_tokens=n_new,
+            out = m.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=n_new, min_new_tokens=n_new,
                              do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([ft]))
         wall = time.perf_counter() - t0
         ntok = (out.shape[1] - L) * len(prompts)
@@ -279,6 +281,8 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--streams", default="1,8,32,64")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (shepherd in-process and HF)")
+    ap.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="1 and 8 streams, 32 tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
@@ -307,7 +311,9 @@ def main(argv=None):
           flush=True)
 
     results = {}
-    results["shepherd (batch-invariant on)"] = bench_shepherd(model, args.dtype, True, streams, args.max_tokens, prompts)
+    sfx = "" if (args.device, args.quantization) == ("cpu", "none") else f", {args.device}, {args.quantization}"
+    results[f"shepherd (batch-invariant on{sfx})"] = bench_shepherd(model, args.dtype, True, streams, args.max_tokens,
+                                                                    prompts, args.device, args.quantization)
     served: dict[str, dict] = {}
     if not args.no_served:
         kv = max(streams) * (max(len(p) for p in prompts) + args.max_tokens + 16) + 4096
@@ -318,11 +324,12 @@ def main(argv=None):
         for label, res in served.items():
             results[f"shepherd served `{label}` (openai client, HTTP)"] = res
     if not args.no_invariant_off:
-        results["shepherd (batch-invariant off)"] = bench_shepherd(model, args.dtype, False, streams,
-                                                                   args.max_tokens, prompts)
+        results[f"shepherd (batch-invariant off{sfx})"] = bench_shepherd(model, args.dtype, False, streams,
+                                                                         args.max_tokens, prompts, args.device,
+                                                                         args.quantization)
     if not args.no_hf:
         results[f"HF transformers {__import__('transformers').__version__} generate (batched)"] = bench_hf(
-            model, args.dtype, streams, args.max_tokens, prompts, pad_id)
+            model, args.dtype, streams, args.max_tokens, prompts, pad_id, args.device)
 
     cmd = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/throughput.py"] + (argv or sys.argv[1:]))
     ncpu = os.cpu_count()

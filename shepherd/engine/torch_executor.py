@@ -335,6 +335,10 @@ class TorchExecutor:
     def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
         if self.model.kernels is not None:
             return self.build_input_fused(seqs)
+        return self.build_input_torch(seqs)
+
+    def build_input_torch(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
+        """Input of the pure-torch path: attention groups with gather indices and masks."""
         inv = self.model.batch_invariant
         Bk = self.kv_block
         ids: list[int] = []

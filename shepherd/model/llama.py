@@ -324,7 +324,8 @@ class LlamaModel:
         # prefill: fused SDPA (decodes: blocked path, faster here). float32 only: torch's CPU
         # SDPA with this broadcast bf16 mask returned wrong rows (greedy chat answers turned
         # to garbage; tests/test_model_parity.py::test_non_invariant_bf16_chat_answer).
-        if not self.batch_invariant and nb == 1 and Q > 1 and self.dtype == torch.float32:
+        if not self.batch_invariant and nb == 1 and Q > 1 and (self.dtype == torch.float32 or
+                                                               self.device.type == "cuda"):
             m = g.mask.view(B, 1, 1, Q, Lp).expand(B, 1, G, Q, Lp).reshape(1, B, G * Q, Lp)
             o = F.scaled_dot_product_attention(qg, K.view(KVH, B, Lp, hd), V.view(KVH, B, Lp, hd),
                                                attn_mask=m.to(qg.dtype), scale=self.scale)
