@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 START, END = "<!-- steptime:start -->", "<!-- steptime:end -->"
-HEAD = ("| change | quant | rows | decode step p50 (ms) | GEMM only (ms) | rest (ms) | device | measured |\n"
+HEAD = ("| change | quant | rows | decode step p50 (ms) | GEMM only (ms) | rest (ms) | device, threads | measured |\n"
         "|---|---|---|---|---|---|---|---|")
 
 
@@ -160,7 +160,8 @@ def main(argv=None):
         gemm = time_gemms(ex, n, args)
         dev = str(getattr(ex, "device", "cpu"))
         q = getattr(ex, "quantization", "none")
-        row = (f"| {args.label or '-'} | {q} | {n} | {step:.1f} | {gemm:.1f} | {step - gemm:.1f} | {dev} "
+        row = (f"| {args.label or '-'} | {q} | {n} | {step:.1f} | {gemm:.1f} | {step - gemm:.1f} | {dev}, "
+               f"{torch.get_num_threads()} "
                f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} |")
         print(row, flush=True)
         rows.append(row)

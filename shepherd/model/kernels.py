@@ -83,7 +83,7 @@ _SIGS = {
 
 
 def load():
-    """The kernel library, or None (no compiler, build failed, or SHEPHERD_KERNELS=torch)."""
+    """The kernel library, or None (no compiler, or the build or load failed)."""
     global _lib, _tried
     if _tried:
         return _lib
