@@ -11,6 +11,9 @@ Prints a table and, with --label, writes/updates one row per (label, rows) in
 docs/BENCHMARKS.md between <!-- steptime:start --> and <!-- steptime:end -->.
 
     python benchmarks/step_time.py                         # 1 and 64 rows, bf16, 2 threads
+
+CPU is the main thread's CPU time (time.thread_time): with --threads 1 it is the work itself,
+unaffected by other processes taking the core; wall time is what a user sees.
     python benchmarks/step_time.py --label "baseline" --quantization int4
 """
 from __future__ import annotations
@@ -26,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 START, END = "<!-- steptime:start -->", "<!-- steptime:end -->"
-HEAD = ("| change | quant | rows | decode step p50 (ms) | GEMM only (ms) | rest (ms) | device, threads | measured |\n"
-        "|---|---|---|---|---|---|---|---|")
+HEAD = ("| change | quant | rows | decode step p50, ms: wall (CPU) | GEMM only, ms: wall (CPU) | rest, ms: wall (CPU) "
+        "| device, threads | measured |\n|---|---|---|---|---|---|---|---|")
 
 
 def build(args):
@@ -74,21 +77,22 @@ def time_decode(ex, n, args):
         res = ex.execute(ScheduledBatch(step=0, seqs=seqs))
         for r in reqs[k:k + 8]:
             r.output_ids.append(res.tokens[r.req_id])
-    times = []
+    times, cpu = [], []
     for s in range(args.steps + args.warmup):
         seqs = [ScheduledSeq(req=r, token_ids=[r.output_ids[-1]], start_pos=r.num_tokens - 1, sample=True)
                 for r in reqs]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         res = ex.execute(ScheduledBatch(step=s + 1, seqs=seqs))
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         if s >= args.warmup:
             times.append(dt)
+            cpu.append(dc)
         for r in reqs:
             r.output_ids.append(res.tokens[r.req_id])
     for r in reqs:
         r.state = RequestState.FINISHED
     ex.execute(ScheduledBatch(step=0, released=[r.req_id for r in reqs]))
-    return statistics.median(times) * 1000
+    return statistics.median(times) * 1000, statistics.median(cpu) * 1000
 
 
 def time_gemms(ex, n, args):
@@ -104,17 +108,18 @@ def time_gemms(ex, n, args):
         lins += [L["qkv"], L["o"], L["gu"], L["down"]]
     lins.append(m.lm_head)
     xs = {lin.in_features: torch.randn(M, lin.in_features, device=dev).to(m.dtype) for lin in lins}
-    times = []
+    times, cpu = [], []
     with torch.inference_mode():
         for s in range(args.steps + args.warmup):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for lin in lins:
                 lin.raw(xs[lin.in_features])
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             if s >= args.warmup:
                 times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+                cpu.append(time.thread_time() - c0)
+    return statistics.median(times) * 1000, statistics.median(cpu) * 1000
 
 
 def write_rows(rows: list[str], path: Path) -> None:
@@ -160,7 +165,9 @@ def main(argv=None):
         gemm = time_gemms(ex, n, args)
         dev = str(getattr(ex, "device", "cpu"))
         q = getattr(ex, "quantization", "none")
-        row = (f"| {args.label or '-'} | {q} | {n} | {step:.1f} | {gemm:.1f} | {step - gemm:.1f} | {dev}, "
+        (step, step_c), (gemm, gemm_c) = step, gemm
+        row = (f"| {args.label or '-'} | {q} | {n} | {step:.1f} ({step_c:.1f}) | {gemm:.1f} ({gemm_c:.1f}) "
+               f"| {step - gemm:.1f} ({step_c - gemm_c:.1f}) | {dev}, "
                f"{torch.get_num_threads()} "
                f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} |")
         print(row, flush=True)
