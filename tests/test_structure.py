@@ -38,9 +38,7 @@ LAYERS = {
 MODULE_ALLOWLIST: set = set()
 
 # Functions still over MAX_FUNCTION_LINES ("path:qualified name"), owned by work in flight.
-FUNCTION_ALLOWLIST = {
-    "shepherd/engine/torch_executor.py:TorchExecutor.build_input",  # engine-process helper
-}
+FUNCTION_ALLOWLIST: set = set()
 
 # Upward imports ("path -> module"), owned by work in flight.
 IMPORT_ALLOWLIST: set = set()

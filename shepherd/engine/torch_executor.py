@@ -340,7 +340,6 @@ class TorchExecutor:
     def build_input_torch(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
         """Input of the pure-torch path: attention groups with gather indices and masks."""
         inv = self.model.batch_invariant
-        Bk = self.kv_block
         ids: list[int] = []
         pos_parts = []
         write_parts = []
@@ -381,6 +380,22 @@ class TorchExecutor:
             write_parts.append(self._scratch[:pad])
             T += pad
         head_off = self._head_off
+        groups = self._torch_groups(dec_rows, dec_slots, dec_ctx, prefills, T)
+        write = torch.cat(write_parts) if len(write_parts) > 1 else write_parts[0]
+        inp = StepInput(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0],
+            write_index=(head_off + write.view(1, -1)).view(-1),
+            groups=groups,
+            logits_index=None if len(logits_rows) == T else torch.tensor(logits_rows, dtype=torch.long),
+            num_tokens=T,
+        )
+        return inp, sampled
+
+    def _torch_groups(self, dec_rows, dec_slots, dec_ctx, prefills, T: int) -> list[AttnGroup]:
+        """Attention groups of the pure-torch path: all decodes as one padded batch, each
+        prefill chunk alone; keys padded to whole blocks (invariant) or to 16."""
+        inv, Bk, head_off = self.model.batch_invariant, self.kv_block, self._head_off
         groups: list[AttnGroup] = []
         if dec_rows:
             B = len(dec_rows)
@@ -416,16 +431,7 @@ class TorchExecutor:
             tok_idx = None if (n == T) else torch.arange(r0, r0 + n, dtype=torch.long)
             groups.append(AttnGroup(token_index=tok_idx, gather=(head_off + gs.view(1, -1)).view(-1),
                                     mask=mask, B=1, q_len=n, Lp=Lp, nb=nb))
-        write = torch.cat(write_parts) if len(write_parts) > 1 else write_parts[0]
-        inp = StepInput(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0],
-            write_index=(head_off + write.view(1, -1)).view(-1),
-            groups=groups,
-            logits_index=None if len(logits_rows) == T else torch.tensor(logits_rows, dtype=torch.long),
-            num_tokens=T,
-        )
-        return inp, sampled
+        return groups
 
     def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run the forward; returns logits [S, V] (float32) for the seqs that sample."""
