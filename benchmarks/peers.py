@@ -57,7 +57,9 @@ import _peer_envs as envs  # noqa: E402
 from _openai_client import RssSampler, fixed_concurrency, questions  # noqa: E402
 
 SHEPHERD_MODES = ("guaranteed", "peak", "optimistic")
-ALL_PEERS = [f"shepherd-{m}" for m in SHEPHERD_MODES] + ["shepherd-gateway", "vllm", "vllm-default",
+# shepherd rows beyond the admission modes: name -> extra `shepherd serve` flags
+SHEPHERD_VARIANTS = {"shepherd-int4": ["--quantization", "int4"]}
+ALL_PEERS = [f"shepherd-{m}" for m in SHEPHERD_MODES] + list(SHEPHERD_VARIANTS) + ["shepherd-gateway", "vllm", "vllm-default",
                                                           "llamacpp", "hf"]
 DEFAULT_PEERS = [p for p in ALL_PEERS if p != "vllm-default"]
 FIXED = (1, 8, 32, 64)
@@ -205,6 +207,9 @@ def make_server(peer: str, cache: Path, logdir: Path, shepherd_args: list | None
     py = sys.executable
     port = free_port()
     sargs = list(shepherd_args or [])
+    if peer in SHEPHERD_VARIANTS:
+        return Server(peer, [([py, "-m", "shepherd", "serve", "--port", port, *SHEPHERD_VARIANTS[peer],
+                               "--served-model-name", SERVED_NAME, *sargs], {})], port, logdir)
     if peer.startswith("shepherd-") and peer != "shepherd-gateway":
         mode = peer.split("-", 1)[1]
         return Server(peer, [([py, "-m", "shepherd", "serve", "--port", port, "--admission", mode,

@@ -72,12 +72,15 @@ class Loop:
 # every forward path: fused CPU kernels (the default where gcc exists), pure torch, and the
 # int4 / int8 weight-only kernels (over the fused path)
 PATHS = {"fused": dict(kernels="fused"), "torch": dict(kernels="torch"),
-         "int4": dict(kernels="auto", quantization="int4"), "int8": dict(kernels="auto", quantization="int8")}
+         "int4": dict(kernels="auto", quantization="int4"), "int8": dict(kernels="auto", quantization="int8"),
+         "cuda": dict(device="cuda")}   # runs where a GPU is (skipped elsewhere)
 
 
 @pytest.fixture(scope="module", params=list(PATHS))
 def ex(default_model_path, request):
     from shepherd.engine.torch_executor import TorchExecutor
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     if request.param == "fused":
         from shepherd.model import kernels
         if kernels.load() is None:

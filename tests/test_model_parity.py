@@ -115,11 +115,16 @@ _HF_REFS: dict = {}
 
 # (dtype, weights): the unquantised forward in both dtypes, and the int8 / int4 weight-only
 # kernels (bf16 activations) against the same bf16 reference
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-int8", "bfloat16-int4"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-int8", "bfloat16-int4", "bfloat16-cuda"])
 def setup(request, default_model_path, prompts):
     transformers = pytest.importorskip("transformers")
     from shepherd.engine.torch_executor import TorchExecutor
     dtype, _, q = request.param.partition("-")
+    device = "cuda" if q == "cuda" else "cpu"    # the same forward on a GPU, where there is one
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        q = ""
     if dtype not in _HF_REFS:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path),
@@ -128,7 +133,7 @@ def setup(request, default_model_path, prompts):
         _HF_REFS[dtype] = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
         del model
     ex = TorchExecutor(EngineConfig(model=default_model_path, dtype=dtype, max_total_tokens=8192,
-                                    quantization=q or "none"))
+                                    quantization=q or "none", device=device))
     return request.param, ex, _HF_REFS[dtype]
 
 

@@ -138,7 +138,7 @@ class Linear:
         o = self.owner
         if o.batch_invariant:
             M = x.shape[0]
-            if o.row_tile:
+            if o.row_tile and M:     # (an empty input has no tile to run)
                 T = o.row_tile
                 n = -(-M // T)
                 if n * T != M:
