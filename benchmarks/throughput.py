@@ -357,13 +357,13 @@ def main(argv=None):
         "requests in flight at once. TPOT p50: per request (last token - first token) / (tokens - 1). RSS: "
         "peak resident memory sampled every 0.25 s while the N streams run.",
         "",
-        served_table(results["shepherd (batch-invariant on)"], served, streams),
+        served_table(results[f"shepherd (batch-invariant on{sfx})"], served, streams),
     ] if served else []))
     print()
     print(table(results, streams))
     if served:
         print()
-        print(served_table(results["shepherd (batch-invariant on)"], served, streams))
+        print(served_table(results[f"shepherd (batch-invariant on{sfx})"], served, streams))
     if not args.no_write:
         write_doc(section, Path(args.out))
         print(f"\nwritten to {args.out}")

@@ -284,13 +284,8 @@ class TorchExecutor:
             self.reqs[seq.req.req_id] = st
         return st
 
-    def build_input_fused(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
-        """Input of the fused path: per row its slot, and where its keys are in slot_tab."""
-        ids: list[int] = []
-        pos_parts, write_parts, tab_parts, off_parts, ctx_parts = [], [], [], [], []
-        logits_rows: list[int] = []
-        sampled: list[ScheduledSeq] = []
-        row = tab = max_ctx = 0
+    def _rows(self, seqs: list[ScheduledSeq]):
+        """(seq, tokens, context after this step, its slots) for each seq with tokens to feed."""
         for s in seqs:
             n = len(s.token_ids)
             if n == 0:
@@ -298,7 +293,16 @@ class TorchExecutor:
             ctx = s.start_pos + n
             if ctx > self.max_model_len:
                 raise ExecutorError(f"{s.req_id}: context {ctx} exceeds max_model_len {self.max_model_len}")
-            sl = self._state(s).sync(ctx, s.fresh)
+            yield s, n, ctx, self._state(s).sync(ctx, s.fresh)
+
+    def build_input_fused(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
+        """Input of the fused path: per row its slot, and where its keys are in slot_tab."""
+        ids: list[int] = []
+        pos_parts, write_parts, tab_parts, off_parts, ctx_parts = [], [], [], [], []
+        logits_rows: list[int] = []
+        sampled: list[ScheduledSeq] = []
+        row = tab = max_ctx = 0
+        for s, n, ctx, sl in self._rows(seqs):
             ids.extend(s.token_ids)
             pos_parts.append(self._arange[s.start_pos: ctx])
             write_parts.append(sl[s.start_pos: ctx])
@@ -350,15 +354,7 @@ class TorchExecutor:
         dec_ctx: list[int] = []
         prefills = []
         row = 0
-        for s in seqs:
-            n = len(s.token_ids)
-            if n == 0:
-                continue
-            ctx = s.start_pos + n
-            if ctx > self.max_model_len:
-                raise ExecutorError(f"{s.req_id}: context {ctx} exceeds max_model_len {self.max_model_len}")
-            st = self._state(s)
-            sl = st.sync(ctx, s.fresh)
+        for s, n, ctx, sl in self._rows(seqs):
             ids.extend(s.token_ids)
             pos_parts.append(self._arange[s.start_pos: ctx])
             write_parts.append(sl[s.start_pos: ctx])

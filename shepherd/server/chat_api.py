@@ -7,14 +7,13 @@ index, id, type, function name and arguments). A named choice's text is
 the call's arguments, streamed as argument deltas as it is generated."""
 from __future__ import annotations
 
-import json
 import time
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from shepherd.server import tools
-from shepherd.server.common import APIError, chat_logprobs, usage_dict
+from shepherd.server.common import APIError, chat_logprobs, sse_chunk, usage_dict
 from shepherd.server.completions_api import sse_response
 from shepherd.server.engine_io import collect, merged, release, stream_error_chunk, submit_all, until_disconnect
 from shepherd.server.protocol import ChatCompletionRequest
@@ -97,11 +96,7 @@ class ChatRoutes:
         hold = tools.choice_mode(body) != "none"
 
         def chunk(choices, usage=None) -> str:
-            c = {"id": meta["rid"], "object": "chat.completion.chunk", "created": meta["created"],
-                 "model": ctx.served_name, "choices": choices}
-            if include_usage:
-                c["usage"] = usage
-            return f"data: {json.dumps(c)}\n\n"
+            return sse_chunk("chat.completion.chunk", meta, ctx.served_name, include_usage, choices, usage)
 
         named = tools.choice_mode(body) == "named"
         hold = hold and not named       # a named call's text is its arguments: streamed as they come

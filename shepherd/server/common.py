@@ -1,6 +1,7 @@
 """Pieces the API routes share: OpenAI error bodies, token strings, logprob formats."""
 from __future__ import annotations
 
+import json
 from typing import Optional, Union
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -100,3 +101,12 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def sse_chunk(obj_type: str, meta: dict, model: str, include_usage: bool, choices: list,
+              usage: Optional[dict] = None) -> str:
+    """One SSE `data:` event of a streamed completion or chat completion."""
+    c = {"id": meta["rid"], "object": obj_type, "created": meta["created"], "model": model, "choices": choices}
+    if include_usage:
+        c["usage"] = usage
+    return f"data: {json.dumps(c)}\n\n"

@@ -1,13 +1,13 @@
 """POST /v1/completions: prompts (text, token ids, batches) x n choices, echo, stream or not."""
 from __future__ import annotations
 
-import json
 import time
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from shepherd.server.common import (APIError, AbortingStreamingResponse, completion_logprobs, usage_dict)
+from shepherd.server.common import (APIError, AbortingStreamingResponse, completion_logprobs, sse_chunk,
+                                    usage_dict)
 from shepherd.server.engine_io import collect, merged, release, stream_error_chunk, submit_all, until_disconnect
 from shepherd.server.protocol import CompletionRequest
 
@@ -70,11 +70,7 @@ class CompletionRoutes:
         include_usage = body.include_usage
 
         def chunk(choices, usage=None) -> str:
-            c = {"id": meta["rid"], "object": "text_completion", "created": meta["created"],
-                 "model": ctx.served_name, "choices": choices}
-            if include_usage:
-                c["usage"] = usage
-            return f"data: {json.dumps(c)}\n\n"
+            return sse_chunk("text_completion", meta, ctx.served_name, include_usage, choices, usage)
 
         comp, cached, offsets = [0] * n, [0] * n, [len(e) for e in echo]
         try:

@@ -12,7 +12,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from shepherd.sim.cost_model import BatchShape, CostModel
+from shepherd.sim.cost_model import BatchShape, CostModel, RooflineCostModel
 from shepherd.sim.hardware import get_gpu, get_model
 
 
