@@ -97,17 +97,15 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     conn.send(("ready", core.info, core.tokenizer, copy.copy(core.scheduler.stats())))
     if cfg.watchdog_timeout and cfg.watchdog_timeout > 0:
         start_watchdog(core, float(cfg.watchdog_timeout), watchdog_exit(cfg.watchdog_timeout), threading.Event())
-    # The loop runs in a thread of its own, like Engine's: torch's OpenMP team driven from the
-    # process's main thread measured 10x slower per step on this 2-core machine under load
-    # (docs/SERVING.md, "Threads and cores"); the main thread only waits.
-    t = threading.Thread(target=_serve, args=(core, conn, log), name="shepherd-engine")
-    t.start()
-    t.join()
-    if getattr(t, "failed", False):
+    # The loop runs in this process's main thread: libgomp (torch's OpenMP) keeps a warm worker
+    # team only for the initial thread; driven from another thread, every parallel region paid
+    # for a fresh team and a decode step took 40 ms instead of 22 (benchmarks/omp_thread.py).
+    if not _serve(core, conn, log):
         sys.exit(1)
 
 
-def _serve(core, conn, log) -> None:
+def _serve(core, conn, log) -> bool:
+    """Run the engine loop until shutdown; False if it crashed."""
     from shepherd.engine.core import run_loop
     try:
         run_loop(core, PipeRecv(conn), conn.send)
@@ -115,8 +113,9 @@ def _serve(core, conn, log) -> None:
         log.info("server went away; engine core exits")
     except BaseException as e:  # noqa: BLE001
         log.exception("engine core crashed")
-        threading.current_thread().failed = True   # type: ignore[attr-defined]
         try:
             conn.send(("crash", f"engine crashed: {type(e).__name__}: {e}"))
         except Exception:  # noqa: BLE001
             pass
+        return False
+    return True
