@@ -70,6 +70,7 @@ class StepResult:
     tokens: dict[str, int] = field(default_factory=dict)              # req_id -> sampled token, for seqs with sample=True
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)   # only for requests that asked
     step_time: float = 0.0                                            # seconds: measured (torch) or modelled (sim)
+    errors: dict[str, str] = field(default_factory=dict)              # req_id -> why no token was sampled
 
 
 class Executor(Protocol):

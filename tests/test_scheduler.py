@@ -259,3 +259,18 @@ def test_one_stop_set_and_one_context_rule():
     s = sched(max_total_tokens=256, max_model_len=16)
     with pytest.raises(RequestRejected, match="max_model_len=16"):
         s.add(mk("c", n=16), 0.0)
+
+
+def test_executor_error_for_one_request_ends_it_with_that_reason_and_frees_its_kv():
+    s = sched(max_total_tokens=256)
+    a, b = mk("a", max_tokens=4), mk("b", max_tokens=4)
+    s.add(a, 0.0)
+    s.add(b, 0.0)
+    batch = s.schedule(0.0)
+    assert {q.req_id for q in batch.seqs} == {"a", "b"}
+    outs = s.on_step(batch, StepResult(tokens={"b": 7}, errors={"a": "structured output failed"}), 0.1)
+    ends = {o.req_id: o for o in outs if o.finished}
+    assert ends["a"].finish_reason is FinishReason.ERROR and ends["a"].error == "structured output failed"
+    assert "b" not in ends and b.output_ids == [7]      # the other request keeps running
+    s.check_integrity()
+    assert s.stats().num_running == 1

@@ -18,7 +18,6 @@ When there is nothing to do the loop blocks in recv; it never spins.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import faulthandler
 import logging
@@ -104,6 +103,7 @@ class EngineCore:
         self.step_logger = StepLogger(cfg.log_every_steps)
         self.step_started: Optional[float] = None      # read by the watchdog
         self.num_steps = 0
+        self.last_stats = self.scheduler.stats()
         self._reqs: dict[str, Request] = {}
         self._first: set[str] = set()                  # requests that have not produced a token yet
 
@@ -146,7 +146,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ step
     def step(self) -> tuple[list[tuple], Optional[float], int]:
-        """One schedule -> execute -> on_step: (outputs, executor step time or None, tokens generated)."""
+        """One schedule -> execute -> on_step: (outputs, executor step time or None, tokens generated).
+        The scheduler's stats after the step are kept in `self.last_stats` for the loop to send."""
         now = time.monotonic()
         batch = self.scheduler.schedule(now)
         if batch.empty and not batch.released:
@@ -165,7 +166,8 @@ class EngineCore:
         self.num_steps += 1
         outs = self._outputs(self.scheduler.on_step(batch, result, now))
         generated = sum(len(o[1]) for o in outs)
-        self.step_logger.on_step(self.scheduler.stats(), now, generated)
+        self.last_stats = self.scheduler.stats()     # a fresh snapshot: logged here, sent by the loop
+        self.step_logger.on_step(self.last_stats, now, generated)
         return outs, float(result.step_time or (now - t0)), generated
 
     def _outputs(self, ros) -> list[tuple]:
@@ -205,7 +207,7 @@ def run_loop(core: EngineCore, recv: Callable[[Optional[float]], list], send: Ca
         answers, outs = core.intake(items, now)
         if stop:
             outs += core.abort_all(now)
-            send(CoreStep(answers, outs, copy.copy(core.scheduler.stats()), None, 0))
+            send(CoreStep(answers, outs, core.scheduler.stats(), None, 0))
             return
         step_time, generated = None, 0
         if core.has_work:
@@ -213,7 +215,8 @@ def run_loop(core: EngineCore, recv: Callable[[Optional[float]], list], send: Ca
             outs += step_outs
         stalled = not (answers or outs or step_time is not None or items)
         if not stalled:
-            send(CoreStep(answers, outs, copy.copy(core.scheduler.stats()), step_time, generated))
+            stats = core.last_stats if step_time is not None else core.scheduler.stats()
+            send(CoreStep(answers, outs, stats, step_time, generated))
 
 
 # ------------------------------------------------------------------ building

@@ -443,7 +443,13 @@ class TorchExecutor:
             return
         reqs = [s.req for s in sampled]
         tokens, lps = self.sampler.sample(logits, reqs)
+        grammar = self.sampler.grammar
+        if grammar is not None and grammar.failed:
+            res.errors.update(grammar.failed)     # the scheduler ends these with the error
+            grammar.failed.clear()
         for s, t, lp in zip(sampled, tokens, lps):
+            if s.req_id in res.errors:
+                continue
             res.tokens[s.req_id] = t
             if lp is not None:
                 res.logprobs[s.req_id] = lp

@@ -150,6 +150,7 @@ class GrammarMasks:
         self.compiler: Optional[GrammarCompiler] = None
         self._matchers: dict[str, Any] = {}
         self._fed: dict[str, int] = {}
+        self.failed: dict[str, str] = {}   # req_id -> error, taken by the executor after sampling
 
     def forget(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
@@ -181,10 +182,11 @@ class GrammarMasks:
         for i in rows:
             try:
                 m = self._sync(reqs[i])
-            except GrammarError:
-                # the server compiled this spec before queueing it, so this is a bug; one request
-                # going unconstrained is better than an engine thread that dies with every request
-                log.exception("grammar of %s failed on the executor; left unconstrained", reqs[i].req_id)
+            except GrammarError as e:
+                # the server compiled this spec before queueing it, so this is a bug: that request
+                # ends with an error (never unconstrained text), the others keep running
+                log.exception("grammar of %s failed on the executor", reqs[i].req_id)
+                self.failed[reqs[i].req_id] = f"structured output failed on the engine: {e}"
                 continue
             if m.is_terminated():
                 done.append(i)          # complete: only a stop token may follow

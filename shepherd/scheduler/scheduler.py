@@ -449,7 +449,8 @@ class Scheduler:
                 continue
             tok = tokens.get(req.req_id)
             if tok is None:
-                outs.append(self._end(e, FinishReason.ERROR, now, error="executor returned no token"))
+                outs.append(self._end(e, FinishReason.ERROR, now,
+                                      error=result.errors.get(req.req_id, "executor returned no token")))
                 continue
             if self.kv.tree is not None and len(req.output_ids) == e.out_at_admit:
                 self.kv.cache_prefilled(e)
