@@ -58,7 +58,7 @@ from _openai_client import RssSampler, fixed_concurrency, questions  # noqa: E40
 
 SHEPHERD_MODES = ("guaranteed", "peak", "optimistic")
 # shepherd rows beyond the admission modes: name -> extra `shepherd serve` flags
-SHEPHERD_VARIANTS = {"shepherd-int4": ["--quantization", "int4"]}
+SHEPHERD_VARIANTS = {"shepherd-int4": ["--quantization", "int4"], "shepherd-w8a8": ["--quantization", "w8a8"]}
 ALL_PEERS = [f"shepherd-{m}" for m in SHEPHERD_MODES] + list(SHEPHERD_VARIANTS) + ["shepherd-gateway", "vllm", "vllm-default",
                                                           "llamacpp", "hf"]
 DEFAULT_PEERS = [p for p in ALL_PEERS if p != "vllm-default"]

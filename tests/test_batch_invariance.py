@@ -70,9 +70,11 @@ class Loop:
 
 
 # every forward path: fused CPU kernels (the default where gcc exists), pure torch, and the
-# int4 / int8 weight-only kernels (over the fused path)
+# int4 / int8 weight-only kernels and w8a8 (int8 activations too) over the fused path, and w8a8's
+# pure-torch twins of the row quantisation
 PATHS = {"fused": dict(kernels="fused"), "torch": dict(kernels="torch"),
          "int4": dict(kernels="auto", quantization="int4"), "int8": dict(kernels="auto", quantization="int8"),
+         "w8a8": dict(kernels="auto", quantization="w8a8"), "w8a8-torch": dict(kernels="torch", quantization="w8a8"),
          "cuda": dict(device="cuda")}   # runs where a GPU is (skipped elsewhere)
 
 

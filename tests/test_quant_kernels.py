@@ -145,7 +145,7 @@ def test_fused_rmsnorm_silu_rope_match_torch(kern):
 # ----------------------------------------------------------------------------- real model
 @pytest.mark.model
 def test_quantised_perplexity_within_budget(default_model_path):
-    """int8 within 2 %, int4 within 5 % of the unquantised forward's perplexity."""
+    """int8 and w8a8 (smoothed) within 2 %, int4 within 5 % of the unquantised forward's perplexity."""
     import importlib.util
     import pathlib
     from shepherd.config import EngineConfig
@@ -155,7 +155,7 @@ def test_quantised_perplexity_within_budget(default_model_path):
     qq = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(qq)
     ppl = {}
-    for q in ("none", "int8", "int4"):
+    for q in ("none", "int8", "int4", "w8a8"):
         ex = TorchExecutor(EngineConfig(model=default_model_path, dtype="bfloat16", quantization=q,
                                         max_total_tokens=1024))
         assert ex.quantization == q if q != "none" else ex.quantization == "none"
@@ -163,3 +163,4 @@ def test_quantised_perplexity_within_budget(default_model_path):
     assert 1.0 < ppl["none"] < 100
     assert ppl["int8"] <= ppl["none"] * 1.02, ppl
     assert ppl["int4"] <= ppl["none"] * 1.05, ppl
+    assert ppl["w8a8"] <= ppl["none"] * 1.02, ppl

@@ -139,9 +139,9 @@ class TorchExecutor:
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
         self.device = _pick_device(cfg.device)
-        if self.device.type != "cpu" and cfg.quantization == "int4":
-            raise ConfigError("--quantization int4 runs on CPU only (torch's int4 CPU kernel); use int8 or none "
-                                f"on {self.device}")
+        if self.device.type != "cpu" and cfg.quantization in ("int4", "w8a8"):
+            raise ConfigError(f"--quantization {cfg.quantization} runs on CPU only (its kernels are torch's CPU "
+                              f"ones); use int8 or none on {self.device}")
         if loaded is None:
             loaded = load_model(cfg.model, cfg.dtype, quantization=cfg.quantization)
         self.quantization = loaded.quantization

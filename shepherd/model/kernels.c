@@ -76,6 +76,73 @@ static inline float fdot(const float *q, const float *k, int64_t n) {
 #endif
 }
 
+/* AVX-512 SiLU-and-mul for bf16: the scalar loop's exact arithmetic (same fexp steps, same
+ * round-to-nearest-even), 16 lanes at a time. Returns how many elements it did. */
+#ifdef __AVX512F__
+static inline __m512 v_bf2f(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline void v_f2bf(uint16_t *p, __m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+static inline __m512 v_fexp(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, fi);
+    __m512 p = _mm512_set1_ps(2.187751643e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.238783149e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.684577477e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.548042915e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402305009e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469289e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000003f));
+    __m512i e = _mm512_slli_epi32(_mm512_cvttps_epi32(fi), 23);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+static inline int64_t vsilu_bf16(const uint16_t *gp, const uint16_t *up, uint16_t *op, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 g = v_bf2f(gp + i);
+        __m512 e = v_fexp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        v_f2bf(op + i, _mm512_mul_ps(s, v_bf2f(up + i)));
+    }
+    return i;
+}
+/* row quantisation, vectorised (the same division and round-half-even as the scalar loop) */
+static inline float vabsmax_bf16(const uint16_t *x, int64_t n, int64_t *done) {
+    __m512 m = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(v_bf2f(x + i)));
+    *done = i;
+    return _mm512_reduce_max_ps(m);
+}
+static inline int64_t vquant_bf16(const uint16_t *x, int8_t *q, float sc, int64_t n) {
+    const __m512 s = _mm512_set1_ps(sc), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(v_bf2f(x + i), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+    return i;
+}
+#else
+static inline float vabsmax_bf16(const uint16_t *x, int64_t n, int64_t *done) { *done = 0; return 0.f; }
+static inline int64_t vquant_bf16(const uint16_t *x, int8_t *q, float sc, int64_t n) { return 0; }
+static inline int64_t vsilu_bf16(const uint16_t *gp, const uint16_t *up, uint16_t *op, int64_t n) { return 0; }
+#endif
+static inline int64_t vsilu_f32(const float *gp, const float *up, float *op, int64_t n) { return 0; }
+static inline float vabsmax_f32(const float *x, int64_t n, int64_t *done) { *done = 0; return 0.f; }
+static inline int64_t vquant_f32(const float *x, int8_t *q, float sc, int64_t n) { return 0; }
+
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SUF)
@@ -84,14 +151,142 @@ static inline float fdot(const float *q, const float *k, int64_t n) {
 #define T uint16_t
 #define LD bf2f
 #define ST f2bf
+#define VSILU vsilu_bf16
+#define VABSMAX vabsmax_bf16
+#define VQUANT vquant_bf16
 #include "kernels_body.h"
 #undef SUF
 #undef T
 #undef LD
 #undef ST
+#undef VSILU
+#undef VABSMAX
+#undef VQUANT
 
 #define SUF f32
 #define T float
 #define LD idf
 #define ST f2f
+#define VSILU vsilu_f32
+#define VABSMAX vabsmax_f32
+#define VQUANT vquant_f32
 #include "kernels_body.h"
+
+/* ---------------------------------------------------------------- attention entry points
+ * bf16 with head_dim a multiple of 32 on an AVX512-BF16 CPU: q.k by vdpbf16ps (bf16 pairs,
+ * float32 sums), sixteen keys' dot products reduced together by one fixed shuffle tree,
+ * P.V in float32. Same structure as attention_ref (per row and kv head, keys in order), so a
+ * row's bits still depend only on its own q and keys. Elsewhere: attention_ref. */
+#if defined(__AVX512BF16__)
+/* sums of the 16 lanes of each of v[0..16), returned as lanes 0..15 */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 q4[4];
+    for (int b = 0; b < 4; b++) {
+        const __m512 *w = v + 4 * b;
+        __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+        __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+        q4[b] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+    }
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(q4[0], q4[1], 0x44), _mm512_shuffle_f32x4(q4[0], q4[1], 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(q4[2], q4[3], 0x44), _mm512_shuffle_f32x4(q4[2], q4[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+}
+
+#define AMAXG 16            /* query heads per kv head handled here (GQA group) */
+#define AMAXC 8             /* head_dim / 32 */
+static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1,
+                               uint16_t *out, int64_t rows, int64_t H, int64_t KVH, int64_t hd,
+                               const int64_t *slot_tab, const int64_t *off, const int64_t *ctx,
+                               int64_t max_ctx, float scale) {
+    const int64_t G = H / KVH, C = hd / 32, npad = (max_ctx + 15) / 16 * 16;
+    #pragma omp parallel
+    {
+        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(G * npad + 16));
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < rows * KVH; item++) {
+            int64_t r = item / KVH, kh = item % KVH, n = ctx[r];
+            const int64_t *sl = slot_tab + off[r];
+            const uint16_t *Kb = pool + kh * cap1 * hd, *Vb = pool + (KVH + kh) * cap1 * hd;
+            __m512bh qv[AMAXG][AMAXC];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < C; c++)
+                    qv[g][c] = (__m512bh)_mm512_loadu_si512(q + r * q_stride + (kh * G + g) * hd + 32 * c);
+            __m512 mxv[AMAXG];
+            for (int64_t g = 0; g < G; g++) mxv[g] = _mm512_set1_ps(-INFINITY);
+            const __m512 vs = _mm512_set1_ps(scale);
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {
+                int64_t m = n - j0 < 16 ? n - j0 : 16;
+                __m512 part[AMAXG][16];
+                for (int64_t t = 0; t < 16; t++) {
+                    if (t < m) {
+                        const uint16_t *k = Kb + sl[j0 + t] * hd;
+                        for (int64_t g = 0; g < G; g++) {
+                            __m512 a = _mm512_setzero_ps();
+                            for (int64_t c = 0; c < C; c++)
+                                a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+                            part[g][t] = a;
+                        }
+                    } else {
+                        for (int64_t g = 0; g < G; g++) part[g][t] = _mm512_setzero_ps();
+                    }
+                }
+                __mmask16 live = (__mmask16)((1u << m) - 1);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 s = _mm512_mul_ps(hsum16(part[g]), vs);
+                    s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), s);
+                    _mm512_store_ps(sc + g * npad + j0, s);
+                    mxv[g] = _mm512_max_ps(mxv[g], s);
+                }
+            }
+            float l[AMAXG];
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = sc + g * npad;
+                __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mxv[g])), lv = _mm512_setzero_ps();
+                for (int64_t j = 0; j < n; j += 16) {
+                    __m512 e = v_fexp(_mm512_sub_ps(_mm512_load_ps(sg + j), mv));
+                    e = _mm512_mask_blend_ps((__mmask16)(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1), _mm512_setzero_ps(), e);
+                    _mm512_store_ps(sg + j, e);
+                    lv = _mm512_add_ps(lv, e);
+                }
+                l[g] = _mm512_reduce_add_ps(lv);
+            }
+            __m512 acc[AMAXG][2 * AMAXC];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                const uint16_t *v = Vb + sl[j] * hd;
+                __m512 vf[2 * AMAXC];
+                for (int64_t c = 0; c < 2 * C; c++) vf[c] = v_bf2f(v + 16 * c);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 p = _mm512_set1_ps(sc[g * npad + j]);
+                    for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                uint16_t *o = out + r * H * hd + (kh * G + g) * hd;
+                __m512 il = _mm512_set1_ps(1.0f / l[g]);
+                for (int64_t c = 0; c < 2 * C; c++) v_f2bf(o + 16 * c, _mm512_mul_ps(acc[g][c], il));
+            }
+        }
+        free(sc);
+    }
+}
+#endif
+
+void attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1, uint16_t *out,
+                    int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab,
+                    const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale) {
+#if defined(__AVX512BF16__)
+    if (hd % 32 == 0 && hd / 32 <= AMAXC && H / KVH <= AMAXG && max_ctx > 0) {
+        attention_vec_bf16(q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale);
+        return;
+    }
+#endif
+    attention_ref_bf16(q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale);
+}
+
+void attention_f32(const float *q, int64_t q_stride, const float *pool, int64_t cap1, float *out,
+                   int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab,
+                   const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale) {
+    attention_ref_f32(q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale);
+}

@@ -79,6 +79,8 @@ _SIGS = {
     "rope_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _P],
     "silu_mul": [_P, _P, _I, _I],
     "attention": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _F],
+    "quant_rows": [_P, _P, _P, _I, _I],
+    "dequant": [_P, _P, _P, _P, _P, _I, _I],
 }
 
 
@@ -119,6 +121,8 @@ class Kernels:
         self._rope = getattr(lib, f"rope_kv_{suf}")
         self._silu = getattr(lib, f"silu_mul_{suf}")
         self._attn = getattr(lib, f"attention_{suf}")
+        self._quant = getattr(lib, f"quant_rows_{suf}")
+        self._dequant = getattr(lib, f"dequant_{suf}")
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
         """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""
@@ -144,3 +148,18 @@ class Kernels:
         self._attn(qkv.data_ptr(), qkv.shape[1], pool_layer.data_ptr(), pool_layer.shape[1], out.data_ptr(),
                    rows, H, KVH, hd, slot_tab.data_ptr(), off.data_ptr(), ctx.data_ptr(), max_ctx, scale)
         return out
+
+    def quant_rows(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> int8 [M, K] and float32 scales [M] (one per row)."""
+        rows, K = x.shape
+        q = torch.empty((rows, K), dtype=torch.int8)
+        s = torch.empty(rows, dtype=torch.float32)
+        self._quant(x.data_ptr(), q.data_ptr(), s.data_ptr(), rows, K)
+        return q, s
+
+    def dequant(self, acc, sx, sw, bias, dtype) -> torch.Tensor:
+        """int32 acc [M, N] -> dtype: acc * sx[row] * sw[col] (+ bias)."""
+        rows, N = acc.shape
+        y = torch.empty((rows, N), dtype=dtype)
+        self._dequant(acc.data_ptr(), sx.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), rows, N)
+        return y

@@ -65,9 +65,44 @@ void FN(silu_mul)(const T *gu, T *out, int64_t rows, int64_t I) {
     for (int64_t r = 0; r < rows; r++) {
         const T *restrict gp = gu + r * 2 * I, *restrict up = gp + I;
         T *restrict op = out + r * I;
-        for (int64_t i = 0; i < I; i++) {
+        int64_t i = VSILU(gp, up, op, I);
+        for (; i < I; i++) {
             float g = LD(gp[i]);
             op[i] = ST(g / (1.0f + fexp(-g)) * LD(up[i]));
+        }
+    }
+}
+
+/* W8A8: each row of x -> int8 q with one scale s = max|x| / 127 (q = round-half-even(x / s)).
+ * Row-local, so the integer GEMM that follows (exact) keeps a row's result batch-invariant. */
+void FN(quant_rows)(const T *x, int8_t *q, float *s, int64_t rows, int64_t K) {
+    #pragma omp parallel for schedule(static) if(rows >= 32)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *xr = x + r * K;
+        int64_t i;
+        float m = VABSMAX(xr, K, &i);
+        for (; i < K; i++) m = fmaxf(m, fabsf(LD(xr[i])));
+        float sc = fmaxf(m, 1e-10f) / 127.0f;
+        s[r] = sc;
+        for (i = VQUANT(xr, q + r * K, sc, K); i < K; i++) {
+            float v = nearbyintf(LD(xr[i]) / sc);
+            q[r * K + i] = (int8_t)(v > 127.f ? 127.f : (v < -127.f ? -127.f : v));
+        }
+    }
+}
+
+/* y = T(acc * sx[row] * sw[col]) (+ bias, rounded again: the same two roundings as torch's
+ * `(acc * sx * sw).to(T) + b`) */
+void FN(dequant)(const int32_t *acc, const float *sx, const float *sw, const T *bias, T *y,
+                 int64_t rows, int64_t N) {
+    #pragma omp parallel for schedule(static) if(rows >= 32)
+    for (int64_t r = 0; r < rows; r++) {
+        const int32_t *a = acc + r * N;
+        T *yr = y + r * N;
+        float s = sx[r];
+        for (int64_t j = 0; j < N; j++) {
+            T t = ST((float)a[j] * s * sw[j]);
+            yr[j] = bias ? ST(LD(t) + LD(bias[j])) : t;
         }
     }
 }
@@ -75,7 +110,7 @@ void FN(silu_mul)(const T *gu, T *out, int64_t rows, int64_t I) {
 /* q: row r, head h at q[r * q_stride + h * hd]. Row r attends over the keys in slots
  * slot_tab[off[r] .. off[r] + ctx[r]). One work item = (row, kv head): its G query heads
  * share each K/V read. Two passes (scores + max, then exp and P.V), in key order. */
-void FN(attention)(const T *q, int64_t q_stride, const T *pool, int64_t cap1, T *out,
+void FN(attention_ref)(const T *q, int64_t q_stride, const T *pool, int64_t cap1, T *out,
                      int64_t rows, int64_t H, int64_t KVH, int64_t hd,
                      const int64_t *slot_tab, const int64_t *off, const int64_t *ctx,
                      int64_t max_ctx, float scale) {

@@ -191,7 +191,8 @@ class LlamaModel:
         head = self.embed if cfg.tie_word_embeddings else cv(W["lm_head.weight"])
         # quantised models keep the LM head at int8 (as llama.cpp keeps Q8_0/Q6_K there): int4
         # logits cost more perplexity than the other layers together
-        self.lm_head = QLinear(quantize_int8(head), None, self, dtype) if Q else Linear(head, None, self)
+        head_kind = "w8a8" if any(q.kind == "w8a8" for q in Q.values()) else "int8"
+        self.lm_head = QLinear(quantize_int8(head, head_kind), None, self, dtype) if Q else Linear(head, None, self)
         self.final_norm = cv(W["model.norm.weight"])
         self.layers = []
         for i in range(cfg.num_layers):

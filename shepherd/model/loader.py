@@ -350,16 +350,21 @@ def load_model(path: Optional[str] = None, dtype="bfloat16", quantization: str =
         raise ModelLoadError(f"quantization must be one of {QUANT_MODES}, got {quantization!r}")
     path = _check_path(path)
     tdtype = resolve_dtype(dtype)
+    # w8a8 smooths the float weights first (shepherd/model/smooth.py), then quantises them
+    file_q = "none" if quantization == "w8a8" else quantization
     if _is_gguf(path):
-        cfg, weights, tok, name, qweights = _load_gguf(path, tdtype, quantization=quantization)
+        cfg, weights, tok, name, qweights = _load_gguf(path, tdtype, quantization=file_q)
     elif os.path.isdir(path):
         cfg, weights, tok, name = _load_hf(path, tdtype)
         qweights = {}
-        if quantization in ("int8", "int4"):   # auto keeps a safetensors model's own precision
-            for k in [k for k in weights if k.endswith("_proj.weight")]:
-                qweights[k] = quantize(weights.pop(k), quantization)
     else:
         raise ModelLoadError(f"{path}: not a GGUF file nor a Hugging Face folder")
+    if quantization == "w8a8":
+        from shepherd.model.smooth import smooth_weights
+        smooth_weights(cfg, weights, tok, tdtype)
+    if quantization in ("int8", "int4", "w8a8") and not qweights:   # auto keeps a safetensors model's precision
+        for k in [k for k in weights if k.endswith("_proj.weight")]:
+            qweights[k] = quantize(weights.pop(k), quantization)
     kinds = sorted({q.kind for q in qweights.values()})
     return LoadedModel(config=cfg, weights=weights, tokenizer=tok, path=path, name=name, dtype=tdtype,
                        qweights=qweights, quantization="+".join(kinds) if kinds else "none")
