@@ -193,7 +193,9 @@ static inline __m512 hsum16(const __m512 *v) {
 }
 
 #define AMAXG 16            /* query heads per kv head handled here (GQA group) */
+#define PF 32          /* keys fetched ahead in the attention loops */
 #define AMAXC 8             /* head_dim / 32 */
+static const uint16_t zero_row[32 * AMAXC];
 static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1,
                                uint16_t *out, int64_t rows, int64_t H, int64_t KVH, int64_t hd,
                                const int64_t *slot_tab, const int64_t *off, const int64_t *ctx,
@@ -201,7 +203,8 @@ static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16
     const int64_t G = H / KVH, C = hd / 32, npad = (max_ctx + 15) / 16 * 16;
     #pragma omp parallel
     {
-        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(G * npad + 16));
+        /* scores [G][npad] float, then their bf16 copies [G][npad] */
+        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(G * npad + G * npad / 2 + 16));
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < rows * KVH; item++) {
             int64_t r = item / KVH, kh = item % KVH, n = ctx[r];
@@ -211,6 +214,10 @@ static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < C; c++)
                     qv[g][c] = (__m512bh)_mm512_loadu_si512(q + r * q_stride + (kh * G + g) * hd + 32 * c);
+            for (int64_t a = 0; a < PF && a < n; a++) {     /* this item's first V rows */
+                const char *nv = (const char *)(Vb + sl[a] * hd);
+                for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T1);
+            }
             __m512 mxv[AMAXG];
             for (int64_t g = 0; g < G; g++) mxv[g] = _mm512_set1_ps(-INFINITY);
             const __m512 vs = _mm512_set1_ps(scale);
@@ -220,6 +227,10 @@ static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16
                 for (int64_t t = 0; t < 16; t++) {
                     if (t < m) {
                         const uint16_t *k = Kb + sl[j0 + t] * hd;
+                        if (j0 + t + PF < n) {      /* the pool is read once per step: fetch ahead */
+                            const char *nk = (const char *)(Kb + sl[j0 + t + PF] * hd);
+                            for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+                        }
                         for (int64_t g = 0; g < G; g++) {
                             __m512 a = _mm512_setzero_ps();
                             for (int64_t c = 0; c < C; c++)
@@ -250,22 +261,52 @@ static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16
                 }
                 l[g] = _mm512_reduce_add_ps(lv);
             }
-            __m512 acc[AMAXG][2 * AMAXC];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
-                const uint16_t *v = Vb + sl[j] * hd;
-                __m512 vf[2 * AMAXC];
-                for (int64_t c = 0; c < 2 * C; c++) vf[c] = v_bf2f(v + 16 * c);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 p = _mm512_set1_ps(sc[g * npad + j]);
-                    for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+            if (item + 1 < rows * KVH) {     /* the next item's first K rows (a hint: OpenMP may give it away) */
+                int64_t r1 = (item + 1) / KVH, k1 = (item + 1) % KVH;
+                const uint16_t *K1 = pool + k1 * cap1 * hd;
+                for (int64_t a = 0; a < PF && a < ctx[r1]; a++) {
+                    const char *nk = (const char *)(K1 + slot_tab[off[r1] + a] * hd);
+                    for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T1);
                 }
             }
+            /* P.V two keys at a time by vdpbf16ps: P rounded to bf16 (as the torch path's
+             * p.to(bf16) @ V); the V rows of keys j, j+1 interleaved in 16-bit pairs, which
+             * leaves the channels in a fixed lane order, put back when the row is written */
+            uint16_t *pb = (uint16_t *)(sc + G * npad);
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < n; j += 16) v_f2bf(pb + g * npad + j, _mm512_load_ps(sc + g * npad + j));
+            __m512 alo[AMAXG][AMAXC], ahi[AMAXG][AMAXC];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < C; c++) alo[g][c] = ahi[g][c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j += 2) {
+                const uint16_t *v0 = Vb + sl[j] * hd, *v1 = j + 1 < n ? Vb + sl[j + 1] * hd : zero_row;
+                for (int64_t a = j + PF; a < j + PF + 2 && a < n; a++) {
+                    const char *nv = (const char *)(Vb + sl[a] * hd);
+                    for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T0);
+                }
+                __m512bh pp[AMAXG];
+                for (int64_t g = 0; g < G; g++) {
+                    int32_t w; memcpy(&w, pb + g * npad + j, 4);     /* p_j | p_j+1 (0 past the end) */
+                    pp[g] = (__m512bh)_mm512_set1_epi32(w);
+                }
+                for (int64_t c = 0; c < C; c++) {
+                    __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+                    __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                    for (int64_t g = 0; g < G; g++) {
+                        alo[g][c] = _mm512_dpbf16_ps(alo[g][c], pp[g], lo);
+                        ahi[g][c] = _mm512_dpbf16_ps(ahi[g][c], pp[g], hi);
+                    }
+                }
+            }
+            const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+            const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
             for (int64_t g = 0; g < G; g++) {
                 uint16_t *o = out + r * H * hd + (kh * G + g) * hd;
                 __m512 il = _mm512_set1_ps(1.0f / l[g]);
-                for (int64_t c = 0; c < 2 * C; c++) v_f2bf(o + 16 * c, _mm512_mul_ps(acc[g][c], il));
+                for (int64_t c = 0; c < C; c++) {
+                    v_f2bf(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(alo[g][c], i0, ahi[g][c]), il));
+                    v_f2bf(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(alo[g][c], i1, ahi[g][c]), il));
+                }
             }
         }
         free(sc);
@@ -289,4 +330,45 @@ void attention_f32(const float *q, int64_t q_stride, const float *pool, int64_t 
                    int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab,
                    const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale) {
     attention_ref_f32(q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale);
+}
+
+/* index of the largest value of each row (the first one on ties, as torch.argmax); a NaN
+ * row falls back to the scalar rule NaN > everything, first NaN wins */
+void argmax_rows(const float *x, int64_t rows, int64_t V, int64_t *out) {
+    #pragma omp parallel for schedule(static) if(rows >= 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * V;
+        int64_t best = 0, i = 0;
+        float bv = xr[0];
+#ifdef __AVX512F__
+        if (V >= 16) {
+            __m512 mv = _mm512_loadu_ps(xr);
+            __m512i mi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), cur = mi;
+            __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
+            for (i = 16; i + 16 <= V && i < (1LL << 31) - 16; i += 16) {
+                cur = _mm512_add_epi32(cur, _mm512_set1_epi32(16));
+                __m512 v = _mm512_loadu_ps(xr + i);
+                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);   /* strictly greater: earlier index kept */
+                mv = _mm512_mask_blend_ps(gt, mv, v);
+                mi = _mm512_mask_blend_epi32(gt, mi, cur);
+            }
+            if (!nan) {
+                float lane_v[16]; int32_t lane_i[16];
+                _mm512_storeu_ps(lane_v, mv); _mm512_storeu_si512(lane_i, mi);
+                bv = lane_v[0]; best = lane_i[0];
+                for (int l = 1; l < 16; l++)
+                    if (lane_v[l] > bv || (lane_v[l] == bv && lane_i[l] < best)) { bv = lane_v[l]; best = lane_i[l]; }
+            } else {
+                i = 0; best = 0; bv = xr[0];
+            }
+        }
+#endif
+        for (; i < V; i++) {
+            float v = xr[i];
+            if (v != v) { if (bv == bv) { bv = v; best = i; } }
+            else if (bv == bv && v > bv) { bv = v; best = i; }
+        }
+        out[r] = best;
+    }
 }

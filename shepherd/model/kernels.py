@@ -100,11 +100,25 @@ def load():
                 fn = getattr(lib, f"{name}_{suf}")
                 fn.argtypes = args
                 fn.restype = None
+        lib.argmax_rows.argtypes = [_P, _I, _I, _P]
+        lib.argmax_rows.restype = None
         _lib = lib
     except Exception as e:  # noqa: BLE001 - any failure here means: run the pure-torch path
         log.warning("loading the fused kernels failed (%s): pure-torch forward", e)
         _lib = None
     return _lib
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) of a float32 [S, V] CPU tensor, 5-10x faster (torch's last-dim argmax
+    does not vectorise here); torch's own where there is no kernel library."""
+    lib = load()
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+        return x.argmax(-1)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -122,7 +136,7 @@ class Kernels:
         self._silu = getattr(lib, f"silu_mul_{suf}")
         self._attn = getattr(lib, f"attention_{suf}")
         self._quant = getattr(lib, f"quant_rows_{suf}")
-        self._dequant = getattr(lib, f"dequant_{suf}")
+        self._dequant = {dtype: getattr(lib, f"dequant_{suf}"), torch.float32: lib.dequant_f32}
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
         """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""
@@ -158,8 +172,10 @@ class Kernels:
         return q, s
 
     def dequant(self, acc, sx, sw, bias, dtype) -> torch.Tensor:
-        """int32 acc [M, N] -> dtype: acc * sx[row] * sw[col] (+ bias)."""
+        """int32 acc [M, N] -> dtype (the model's, or float32): acc * sx[row] * sw[col] (+ bias)."""
         rows, N = acc.shape
         y = torch.empty((rows, N), dtype=dtype)
-        self._dequant(acc.data_ptr(), sx.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), rows, N)
+        if bias is not None and bias.dtype != dtype:
+            bias = bias.to(dtype)
+        self._dequant[dtype](acc.data_ptr(), sx.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), rows, N)
         return y

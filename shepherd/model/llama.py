@@ -134,6 +134,9 @@ class Linear:
             return self._mk(x)
         return F.linear(x, self.w, self.b)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).float()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         o = self.owner
         if o.batch_invariant:
@@ -278,7 +281,7 @@ class LlamaModel:
         if inp.logits_index is not None:
             x = x.index_select(0, inp.logits_index)
         x = self.rms_norm(x, self.final_norm)
-        return self.lm_head(x).float()
+        return self.lm_head.logits(x)
 
     def _forward_fused(self, inp: StepInput, kv_pool: torch.Tensor) -> torch.Tensor:
         """The same layer with fused kernels: 4 GEMMs + 4 kernel calls per layer. The residual
@@ -301,7 +304,7 @@ class LlamaModel:
                 x = x + d
         if inp.logits_index is not None:
             x = x.index_select(0, inp.logits_index)
-        return self.lm_head(k.rmsnorm(x.contiguous(), self.final_norm, eps)).float()
+        return self.lm_head.logits(k.rmsnorm(x.contiguous(), self.final_norm, eps))
 
     def attention(self, q: torch.Tensor, kvp: torch.Tensor, groups: list[AttnGroup], T: int) -> torch.Tensor:
         """q: [T, H, hd] (RoPE applied). Returns [T, H*hd]."""

@@ -142,15 +142,20 @@ class QLinear:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.sz)
         return y if self.b is None else y + self.b
 
-    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+    def _w8a8(self, x: torch.Tensor, out_dtype=None) -> torch.Tensor:
+        out_dtype = out_dtype or x.dtype
         if x.shape[0] == 0:
-            return x.new_empty((0, self.out_features))
+            return x.new_empty((0, self.out_features), dtype=out_dtype)
         k = self.owner.kernels
         xq, sx = k.quant_rows(x) if k is not None else quant_rows(x)
         acc = torch._int_mm(xq, self.qt)
         if k is not None:
-            return k.dequant(acc, sx, self.scale, self.b, x.dtype)
-        return dequant(acc, sx, self.scale, self.b, x.dtype)
+            return k.dequant(acc, sx, self.scale, self.b, out_dtype)
+        return dequant(acc, sx, self.scale, self.b, out_dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 output (the LM head): w8a8 scales its int32 sums straight to float32."""
+        return self._w8a8(x, torch.float32) if self.kind == "w8a8" else self(x).float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         o = self.owner

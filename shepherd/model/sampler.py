@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from shepherd.model.constraints import apply_constraints, constrained
+from shepherd.model.kernels import argmax_rows
 from shepherd.request import Request, SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
@@ -98,7 +99,7 @@ class Sampler:
         simple = all(p.temperature == 0.0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
                      and p.presence_penalty == 0.0 for p in params)
         if simple:
-            tokens = logits.argmax(-1).tolist()
+            tokens = argmax_rows(logits).tolist()
         else:
             logits = logits.cpu()   # the per-request generators and penalties live on the host
             tokens = [0] * S
@@ -111,7 +112,7 @@ class Sampler:
                 rows.append(row)
                 (greedy_rows if p.temperature == 0.0 else random_rows).append(i)
             if greedy_rows:
-                g = torch.stack([rows[i] for i in greedy_rows]).argmax(-1).tolist()
+                g = argmax_rows(torch.stack([rows[i] for i in greedy_rows])).tolist()
                 for i, t in zip(greedy_rows, g):
                     tokens[i] = t
             for i in random_rows:
