@@ -164,3 +164,36 @@ def test_quantised_perplexity_within_budget(default_model_path):
     assert ppl["int8"] <= ppl["none"] * 1.02, ppl
     assert ppl["int4"] <= ppl["none"] * 1.05, ppl
     assert ppl["w8a8"] <= ppl["none"] * 1.02, ppl
+
+
+def test_w8a8_row_quantisation_kernels_equal_their_torch_twins(kern):
+    """quant_rows / dequant in C give the pure-torch path's bits (so --kernels torch and fused
+    w8a8 agree), and an all-zero row quantises to zeros instead of dividing by zero."""
+    k, dt = kern
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 576, generator=g) * torch.rand(7, 1, generator=g) * 20).to(dt)
+    x[3] = 0
+    q, s = k.quant_rows(x)
+    q2, s2 = quant.quant_rows(x)
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+    assert q[3].abs().sum() == 0 and int(q.abs().max()) == 127
+    w = torch.randint(-127, 128, (96, 576), dtype=torch.int8, generator=g)
+    acc = torch._int_mm(q, w.t())
+    assert torch.equal(acc.long(), q.long() @ w.long().t())          # the integer GEMM is exact
+    sw, b = torch.rand(96, generator=g), torch.randn(96, generator=g).to(dt)
+    for bias in (None, b):
+        for out in (dt, torch.float32):
+            assert torch.equal(k.dequant(acc, s, sw, bias, out), quant.dequant(acc, s2, sw, bias, out))
+
+
+def test_argmax_rows_matches_torch_argmax():
+    from shepherd.model.kernels import argmax_rows
+    g = torch.Generator().manual_seed(4)
+    for shape in ((64, 49152), (1, 17), (3, 5), (2, 40)):
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(argmax_rows(x), x.argmax(-1)), shape
+    x = torch.zeros(4, 100)
+    x[1, 50] = x[1, 70] = 1.0                       # ties: the first index
+    x[2, 5] = x[2, 9] = float("nan")                # NaN wins, the first one
+    x[3] = float("-inf")
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist() == [0, 50, 5, 0]

@@ -195,7 +195,6 @@ static inline __m512 hsum16(const __m512 *v) {
 #define AMAXG 16            /* query heads per kv head handled here (GQA group) */
 #define PF 32          /* keys fetched ahead in the attention loops */
 #define AMAXC 8             /* head_dim / 32 */
-static const uint16_t zero_row[32 * AMAXC];
 static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1,
                                uint16_t *out, int64_t rows, int64_t H, int64_t KVH, int64_t hd,
                                const int64_t *slot_tab, const int64_t *off, const int64_t *ctx,
@@ -203,8 +202,7 @@ static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16
     const int64_t G = H / KVH, C = hd / 32, npad = (max_ctx + 15) / 16 * 16;
     #pragma omp parallel
     {
-        /* scores [G][npad] float, then their bf16 copies [G][npad] */
-        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(G * npad + G * npad / 2 + 16));
+        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(G * npad + 16));
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < rows * KVH; item++) {
             int64_t r = item / KVH, kh = item % KVH, n = ctx[r];
@@ -269,44 +267,28 @@ static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16
                     for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T1);
                 }
             }
-            /* P.V two keys at a time by vdpbf16ps: P rounded to bf16 (as the torch path's
-             * p.to(bf16) @ V); the V rows of keys j, j+1 interleaved in 16-bit pairs, which
-             * leaves the channels in a fixed lane order, put back when the row is written */
-            uint16_t *pb = (uint16_t *)(sc + G * npad);
+            /* P.V in float32 (P kept in float32: rounding it to bf16 moved greedy tokens away
+             * from transformers' on the parity prompts, for no gain once the loop waits on memory) */
+            __m512 acc[AMAXG][2 * AMAXC];
             for (int64_t g = 0; g < G; g++)
-                for (int64_t j = 0; j < n; j += 16) v_f2bf(pb + g * npad + j, _mm512_load_ps(sc + g * npad + j));
-            __m512 alo[AMAXG][AMAXC], ahi[AMAXG][AMAXC];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < C; c++) alo[g][c] = ahi[g][c] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j += 2) {
-                const uint16_t *v0 = Vb + sl[j] * hd, *v1 = j + 1 < n ? Vb + sl[j + 1] * hd : zero_row;
-                for (int64_t a = j + PF; a < j + PF + 2 && a < n; a++) {
-                    const char *nv = (const char *)(Vb + sl[a] * hd);
+                for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                const uint16_t *v = Vb + sl[j] * hd;
+                if (j + PF < n) {
+                    const char *nv = (const char *)(Vb + sl[j + PF] * hd);
                     for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T0);
                 }
-                __m512bh pp[AMAXG];
+                __m512 vf[2 * AMAXC];
+                for (int64_t c = 0; c < 2 * C; c++) vf[c] = v_bf2f(v + 16 * c);
                 for (int64_t g = 0; g < G; g++) {
-                    int32_t w; memcpy(&w, pb + g * npad + j, 4);     /* p_j | p_j+1 (0 past the end) */
-                    pp[g] = (__m512bh)_mm512_set1_epi32(w);
-                }
-                for (int64_t c = 0; c < C; c++) {
-                    __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
-                    __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-                    for (int64_t g = 0; g < G; g++) {
-                        alo[g][c] = _mm512_dpbf16_ps(alo[g][c], pp[g], lo);
-                        ahi[g][c] = _mm512_dpbf16_ps(ahi[g][c], pp[g], hi);
-                    }
+                    __m512 p = _mm512_set1_ps(sc[g * npad + j]);
+                    for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
                 }
             }
-            const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-            const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
             for (int64_t g = 0; g < G; g++) {
                 uint16_t *o = out + r * H * hd + (kh * G + g) * hd;
                 __m512 il = _mm512_set1_ps(1.0f / l[g]);
-                for (int64_t c = 0; c < C; c++) {
-                    v_f2bf(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(alo[g][c], i0, ahi[g][c]), il));
-                    v_f2bf(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(alo[g][c], i1, ahi[g][c]), il));
-                }
+                for (int64_t c = 0; c < 2 * C; c++) v_f2bf(o + 16 * c, _mm512_mul_ps(acc[g][c], il));
             }
         }
         free(sc);
