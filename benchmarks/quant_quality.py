@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Quality of the weight-only int8 / int4 paths against the unquantised (bf16) forward:
+"""Quality of the int8 / int4 / w8a8 paths against the unquantised (bf16) forward:
 perplexity on a fixed text (teacher-forced, one prefill, all rows' logits) and greedy
 agreement with bf16 on the 8 parity prompts of tests/test_model_parity.py.
 
@@ -59,7 +59,7 @@ def perplexity(ex, ids: list[int]) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--modes", default="none,int8,int4")
+    ap.add_argument("--modes", default="none,int8,int4,w8a8")
     ap.add_argument("--out", default=str(ROOT / "docs" / "MODEL.md"))
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
