@@ -197,3 +197,24 @@ def test_argmax_rows_matches_torch_argmax():
     x[2, 5] = x[2, 9] = float("nan")                # NaN wins, the first one
     x[3] = float("-inf")
     assert argmax_rows(x).tolist() == x.argmax(-1).tolist() == [0, 50, 5, 0]
+
+
+def test_w4a8_kernel_matches_the_dequantised_weights_and_is_row_invariant():
+    """The int4 x int8 VNNI kernel: within int8-activation error of x @ dequantize(W)^T, and a
+    row's bits are the same computed alone or among 1, 3, 5 or 64 rows."""
+    from shepherd.model import kernels
+    lib = kernels.load()
+    if lib is None or not kernels.Kernels(lib, torch.bfloat16).w4a8:
+        pytest.skip("no AVX512-VNNI kernel on this CPU (int4 runs torch's kernel)")
+    k = kernels.Kernels(lib, torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    for N, K in ((96, 64), (576, 1536)):
+        qw = quant.quantize_int4(torch.randn(N, K, generator=g) * 0.05)
+        packed = quant.pack_w4a8(qw)
+        ref_w = quant.dequantize(qw)
+        x = torch.randn(64, K, generator=g).to(torch.bfloat16)
+        full = k.w4a8_mm(x, packed, N)
+        ref = x.float() @ ref_w.t()
+        assert ((full.float() - ref).abs().max() / ref.abs().max()) < 0.02
+        for M in (1, 3, 5):
+            assert torch.equal(k.w4a8_mm(x[-M:].contiguous(), packed, N), full[-M:])

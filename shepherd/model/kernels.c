@@ -354,3 +354,87 @@ void argmax_rows(const float *x, int64_t rows, int64_t V, int64_t *out) {
         out[r] = best;
     }
 }
+
+/* ---------------------------------------------------------------- int4 weights x int8 activations
+ * (w4a8, the int4 mode's kernel where AVX512-VNNI exists). Weights: groups of 32 along K,
+ * w = q d + m (q 0..15; Q4_1's form, Q4_0 is m = -8d). Activations: each row's groups of 32
+ * to int8 with their own scale dx, and sx = dx * sum(q_x) (llama.cpp's Q8_1 idea). Per group,
+ *   sum_k w_k x_k = d (dx sum_k q_k q_xk) + m sx
+ * with the integer sum exact (vpdpbusd: u8 nibbles x s8 activations). Groups are added in
+ * order in float32, per row, whatever the number of rows: batch-invariant by construction.
+ *
+ * Packed weights, 16 output rows (a tile) x one group per 320-byte block, tile-major:
+ *   bytes [0, 256): byte 64c + 4l + j = q[16t + l][32g + 4c + j] | q[16t + l][32g + 16 + 4c + j] << 4
+ *   bytes [256, 288): d of the 16 rows (fp16); [288, 320): m (fp16). */
+int has_w4a8(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+void quant_groups_bf16(const uint16_t *x, int8_t *q, float *dx, float *sx, int64_t rows, int64_t K) {
+    const int64_t NG = K / 32;
+    #pragma omp parallel for schedule(static) if(rows >= 32)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < NG; g++) {
+            const uint16_t *xg = x + r * K + 32 * g;
+            __m512 a = v_bf2f(xg), b = v_bf2f(xg + 16);
+            float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            float d = fmaxf(m, 1e-10f) / 127.0f;
+            __m512 dv = _mm512_set1_ps(d), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+            const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(a, dv), rn), lo), hi));
+            __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(b, dv), rn), lo), hi));
+            _mm_storeu_si128((__m128i *)(q + r * K + 32 * g), _mm512_cvtepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(q + r * K + 32 * g + 16), _mm512_cvtepi32_epi8(qb));
+            int32_t sq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            dx[r * NG + g] = d;
+            sx[r * NG + g] = d * (float)sq;
+        }
+}
+
+#define W4BLK 320
+void w4a8_mm_bf16(const int8_t *xq, const float *dx, const float *sx, int64_t rows, int64_t K,
+                  const uint8_t *w, int64_t N, uint16_t *y) {
+    const int64_t NG = K / 32, NT = N / 16;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < NT; t++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const int64_t R = rows - r0 < 4 ? rows - r0 : 4;
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t g = 0; g < NG; g++) {
+                const uint8_t *blk = w + (t * NG + g) * W4BLK;
+                if ((t * NG + g + 8) < NT * NG) {   /* the next blocks, across tiles too */
+                    const char *nb = (const char *)(blk + 8 * W4BLK);
+                    for (int b = 0; b < W4BLK; b += 64) _mm_prefetch(nb + b, _MM_HINT_T0);
+                }
+                __m512i wq[8];
+                for (int c = 0; c < 4; c++) {
+                    __m512i v = _mm512_loadu_si512(blk + 64 * c);
+                    wq[c] = _mm512_and_si512(v, low4);
+                    wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+                __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+                __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+                for (int64_t rr = 0; rr < R; rr++) {
+                    const int8_t *xr = xq + (r0 + rr) * K + 32 * g;
+                    __m512i ia = _mm512_setzero_si512();
+                    for (int s8 = 0; s8 < 8; s8++) {
+                        int32_t xw; memcpy(&xw, xr + 4 * s8, 4);
+                        ia = _mm512_dpbusd_epi32(ia, wq[s8], _mm512_set1_epi32(xw));
+                    }
+                    const int64_t gi = (r0 + rr) * NG + g;
+                    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(dx[gi]));
+                    acc[rr] = _mm512_fmadd_ps(dv, f, acc[rr]);
+                    acc[rr] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[gi]), acc[rr]);
+                }
+            }
+            for (int64_t rr = 0; rr < R; rr++) v_f2bf(y + (r0 + rr) * N + 16 * t, acc[rr]);
+        }
+    }
+}
+#endif

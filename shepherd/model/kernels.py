@@ -45,8 +45,10 @@ def _build() -> Optional[str]:
     if cc is None:
         log.warning("no C compiler found: fused kernels off, pure-torch forward")
         return None
-    with open(_SRC, "rb") as f:
-        src = f.read()
+    src = b""
+    for path in (_SRC, _SRC[:-2] + "_body.h"):   # the build key covers the included body too
+        with open(path, "rb") as f:
+            src += f.read()
     key = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     so = os.path.join(out_dir, f"shepherd_kernels_{key}.so")
@@ -102,6 +104,11 @@ def load():
                 fn.restype = None
         lib.argmax_rows.argtypes = [_P, _I, _I, _P]
         lib.argmax_rows.restype = None
+        lib.has_w4a8.restype = ctypes.c_int
+        if lib.has_w4a8():
+            lib.quant_groups_bf16.argtypes = [_P, _P, _P, _P, _I, _I]
+            lib.w4a8_mm_bf16.argtypes = [_P, _P, _P, _I, _I, _P, _I, _P]
+            lib.quant_groups_bf16.restype = lib.w4a8_mm_bf16.restype = None
         _lib = lib
     except Exception as e:  # noqa: BLE001 - any failure here means: run the pure-torch path
         log.warning("loading the fused kernels failed (%s): pure-torch forward", e)
@@ -131,12 +138,14 @@ class Kernels:
 
     def __init__(self, lib, dtype: torch.dtype):
         suf = {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+        self._lib = lib
         self._rms = getattr(lib, f"rmsnorm_{suf}")
         self._rope = getattr(lib, f"rope_kv_{suf}")
         self._silu = getattr(lib, f"silu_mul_{suf}")
         self._attn = getattr(lib, f"attention_{suf}")
         self._quant = getattr(lib, f"quant_rows_{suf}")
         self._dequant = {dtype: getattr(lib, f"dequant_{suf}"), torch.float32: lib.dequant_f32}
+        self.w4a8 = dtype == torch.bfloat16 and bool(lib.has_w4a8())   # int4 x int8 on VNNI
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
         """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""
@@ -178,4 +187,19 @@ class Kernels:
         if bias is not None and bias.dtype != dtype:
             bias = bias.to(dtype)
         self._dequant[dtype](acc.data_ptr(), sx.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), rows, N)
+        return y
+
+    def w4a8_mm(self, x, packed, N) -> torch.Tensor:
+        """x [M, K] bf16 @ int4 weights packed by quant.pack_w4a8 -> [M, N] bf16, with each row's
+        groups of 32 quantised to int8 first."""
+        rows, K = x.shape
+        y = torch.empty((rows, N), dtype=torch.bfloat16)
+        if rows == 0:
+            return y
+        q = torch.empty((rows, K), dtype=torch.int8)
+        dx = torch.empty((rows, K // 32), dtype=torch.float32)
+        sx = torch.empty_like(dx)
+        self._lib.quant_groups_bf16(x.data_ptr(), q.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, K)
+        self._lib.w4a8_mm_bf16(q.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, K, packed.data_ptr(), N,
+                               y.data_ptr())
         return y

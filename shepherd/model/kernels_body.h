@@ -92,7 +92,9 @@ void FN(quant_rows)(const T *x, int8_t *q, float *s, int64_t rows, int64_t K) {
 }
 
 /* y = T(acc * sx[row] * sw[col]) (+ bias, rounded again: the same two roundings as torch's
- * `(acc * sx * sw).to(T) + b`) */
+ * `(acc * sx * sw).to(T) + b`). No FMA contraction: for T = float it would fuse the scale and
+ * the bias add, which torch does not. */
+__attribute__((optimize("fp-contract=off")))
 void FN(dequant)(const int32_t *acc, const float *sx, const float *sw, const T *bias, T *y,
                  int64_t rows, int64_t N) {
     #pragma omp parallel for schedule(static) if(rows >= 32)

@@ -104,6 +104,22 @@ def from_gguf_q4(raw: np.ndarray, shape: tuple[int, int], has_min: bool) -> QWei
     return QWeight("int4", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
 
 
+def pack_w4a8(w: QWeight) -> torch.Tensor:
+    """int4 QWeight -> the w4a8 kernel's blocks (kernels.c: 16 rows x one group of 32 per
+    320 bytes: nibbles, then d and m = zero - 8 d as fp16). N % 16 == 0, K % 32 == 0."""
+    N, K = w.shape
+    NT, NG = N // 16, K // GROUP
+    q = w.q.numpy().astype(np.uint8).reshape(NT, 16, NG, GROUP).transpose(0, 2, 1, 3)     # t, g, l, k
+    lo = q[..., :16].reshape(NT, NG, 16, 4, 4).transpose(0, 1, 3, 2, 4)                   # t, g, c, l, j
+    hi = q[..., 16:].reshape(NT, NG, 16, 4, 4).transpose(0, 1, 3, 2, 4)
+    nib = (lo | (hi << 4)).reshape(NT, NG, 256)
+    per = lambda a: np.ascontiguousarray(a.numpy().reshape(NT, 16, NG).transpose(0, 2, 1)).astype(np.float16)
+    d = per(w.scale)
+    m = per(w.zero - 8 * w.scale)
+    blk = np.concatenate([nib, d.view(np.uint8), m.view(np.uint8)], -1)
+    return torch.from_numpy(np.ascontiguousarray(blk).reshape(-1))
+
+
 def permute_rows(w: QWeight, fn) -> QWeight:
     """Apply a row permutation written for numpy arrays to every per-row part."""
     t = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(fn(x.numpy())))
@@ -130,14 +146,21 @@ class QLinear:
         else:
             if dev.type != "cpu":
                 raise ValueError("int4 weights run on CPU only (torch's CUDA int4 kernel needs another packing)")
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 1)
-            self.sz = torch.stack([w.scale, w.zero], -1).transpose(0, 1).contiguous().to(dtype)
+            k = getattr(owner, "kernels", None)
+            self.w4 = None
+            if k is not None and k.w4a8 and self.out_features % 16 == 0 and self.in_features % GROUP == 0:
+                self.w4 = pack_w4a8(w)       # int8 activations on VNNI (kernels.c: w4a8_mm)
+            else:
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 1)
+                self.sz = torch.stack([w.scale, w.zero], -1).transpose(0, 1).contiguous().to(dtype)
 
     def raw(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "w8a8":
             return self._w8a8(x)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        elif self.w4 is not None:
+            y = self.owner.kernels.w4a8_mm(x, self.w4, self.out_features)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.sz)
         return y if self.b is None else y + self.b
@@ -146,7 +169,7 @@ class QLinear:
         out_dtype = out_dtype or x.dtype
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features), dtype=out_dtype)
-        k = self.owner.kernels
+        k = getattr(self.owner, "kernels", None)
         xq, sx = k.quant_rows(x) if k is not None else quant_rows(x)
         acc = torch._int_mm(xq, self.qt)
         if k is not None:
