@@ -77,15 +77,17 @@ def main() -> None:
         else:
             raise SystemExit("server did not come up")
         rows = []
-        for w in a.workloads.split(","):
+        for i, w in enumerate(a.workloads.split(",")):
             name, rate, shared = w.split(":")
             spec = out / f"spec_{name}.json"
             spec.write_text(json.dumps({"seed": 1, "num_requests": a.num_requests, "clients": [
                 {"name": "default", "rate": float(rate), "input_len": f"fixed:{a.input_len}",
                  "output_len": f"fixed:{a.output_len}", "system_prompt_tokens": int(shared)}]}))
             bdir, sdir = out / f"bench_{name}", out / f"sim_{name}"
+            # one server serves every workload: a prompt seed of its own per workload, or the prefix
+            # cache would serve one workload's prompts from the last one's (the simulator starts cold)
             run([PY, "-m", "shepherd", "bench", "--url", url, "--trace", str(spec), "--out", str(bdir),
-                 "--no-progress", "--no-plots"])
+                 "--seed", str(100 + i), "--no-progress", "--no-plots"])
             run([PY, "-m", "shepherd", "simulate", "--trace", str(spec), "--cost-model", cost,
                  "--model", "smollm2-135m", "--gpu", "cpu", "--out", str(sdir), "--no-progress",
                  "--no-plots"] + knobs)

@@ -266,6 +266,20 @@ def test_shared_prefix_and_determinism(server, tmp_path):
     assert sorted(b["prompt"] for _, b in server.arrivals) == sorted(first)
 
 
+def test_a_synthetic_specs_system_prompt_is_really_shared(server, tmp_path):
+    """A spec's system_prompt_tokens reach the server as a shared prefix (without --shared-prefix):
+    the simulator counts those prompts as sharing it, so the real replay must too."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"seed": 1, "num_requests": 4, "clients": [
+        {"name": "a", "rate": 50.0, "input_len": "fixed:6", "output_len": "fixed:2", "system_prompt_tokens": 20}]}))
+    _reset(server)
+    assert _bench(server.url, tmp_path / "out", "--trace", spec, "--format", "synthetic") == 0
+    words = [b["prompt"].split() for _, b in sorted(server.arrivals, key=lambda a: a[0])]
+    assert [len(w) for w in words] == [26] * 4
+    assert all(w[:20] == words[0][:20] for w in words), words
+    assert len({tuple(w[20:]) for w in words}) == 4
+
+
 def test_no_ignore_eos_and_extra_body(server, tmp_path):
     _reset(server)
     assert _bench(server.url, tmp_path, "--num-requests", 2, "--input-len", 4, "--output-len", 3,

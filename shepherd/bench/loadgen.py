@@ -17,6 +17,7 @@ and `error` (anything else, including an error event inside the stream).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -424,8 +425,8 @@ def reshape(trace: list[TraceRequest], *, rate: Optional[float] = None, burstine
             p = min(p, max_input)
         if max_output:
             o = min(o, max_output)
-        out.append(TraceRequest(arrival=times[i] if times else tr.arrival, prompt_tokens=p,
-                                output_tokens=o, client=tr.client, hash_ids=tr.hash_ids,
-                                prefix_group=tr.prefix_group, prompt_ids=tr.prompt_ids,
-                                priority=tr.priority))
+        # every other field (prefix group and length, session, turn, ...) kept as the trace has it
+        out.append(dataclasses.replace(tr, arrival=times[i] if times else tr.arrival, prompt_tokens=p,
+                                       output_tokens=o,
+                                       prefix_tokens=min(p, int(round(tr.prefix_tokens * length_scale)))))
     return out

@@ -209,9 +209,11 @@ class PromptBuilder:
                     break
                 head += self._block(("hash", h), self.block_size)
             head = head[:n]
-        elif self.shared_prefix > 0:
+        elif self.shared_prefix > 0 or tr.prefix_tokens:
+            # a trace's own shared prefix (a synthetic spec's system prompt) wins over --shared-prefix
             group = tr.prefix_group if tr.prefix_group is not None else "shared"
-            head = self._block(("prefix", zlib.crc32(str(group).encode())), min(self.shared_prefix, n))
+            plen = tr.prefix_tokens or self.shared_prefix
+            head = self._block(("prefix", zlib.crc32(str(group).encode())), min(plen, n))
         tail = self._draw(("req", index), n - len(head))
         text, got = self._fit(head, tail, n, index)
         return BuiltPrompt(text, "".join(head), got)
