@@ -38,7 +38,19 @@ def snapshot(s: Scheduler):
     return st, reqs, s.kv.pool.free_list(), s.new_token_ratio
 
 
-def drive(cfg, reqs, fast: bool, check_every=True):
+def tokens_upto(ex, r, k):
+    """The next k tokens the executor samples for r; only the last may be EOS."""
+    ids = r.output_ids
+    n0 = len(ids)
+    try:
+        for _ in range(k):
+            ids.append(ex.next_token(r))
+        return ids[n0:]
+    finally:
+        del ids[n0:]
+
+
+def drive(cfg, reqs, fast: bool, check_every=True, finishing=False):
     s = Scheduler(cfg, host_kv_capacity=cfg.max_total_tokens // 2, max_model_len=512)
     ex = SimExecutor(kv_capacity=cfg.max_total_tokens, host_kv_capacity=cfg.max_total_tokens // 2,
                      step_time=lambda b: 1.0, check=not fast)
@@ -53,16 +65,19 @@ def drive(cfg, reqs, fast: bool, check_every=True):
             now = reqs[i].arrival
             continue
         if fast:
-            h = s.decode_horizon(now)
+            h = s.decode_horizon(now, finishing=finishing)
             k = h
             for r in s.running:
                 t = ex.target_len(r)
                 if t is not None:
-                    k = min(k, t - len(r.output_ids) - 1)
+                    k = min(k, t - len(r.output_ids) - (0 if finishing else 1))
             if i < len(reqs):
                 k = min(k, int(reqs[i].arrival - now + 0.999999))
             if k >= 1:
-                toks = {r.req_id: ex.tokens_ahead(r, k) for r in s.running}
+                if finishing:   # the k-th step may end requests (EOS or max_tokens)
+                    toks = {r.req_id: tokens_upto(ex, r, k) for r in s.running}
+                else:
+                    toks = {r.req_id: ex.tokens_ahead(r, k) for r in s.running}
                 now += k
                 s.fast_forward(k, toks, now)
                 steps += k
@@ -104,8 +119,8 @@ CONFIGS = [
 
 @pytest.mark.parametrize("extra", CONFIGS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
 @settings(max_examples=int(__import__("os").environ.get("FF_EXAMPLES", "6")), deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 10_000), cap=st.sampled_from([256, 512, 2048]))
-def test_fast_forward_equals_stepping(extra, seed, cap):
+@given(seed=st.integers(0, 10_000), cap=st.sampled_from([256, 512, 2048]), finishing=st.booleans())
+def test_fast_forward_equals_stepping(extra, seed, cap, finishing):
     extra = dict(extra)
     n = extra.pop("n", 25)
     cfg = SchedulerConfig(max_total_tokens=cap, max_batch_size=8, max_num_tokens=64,
@@ -113,13 +128,14 @@ def test_fast_forward_equals_stepping(extra, seed, cap):
     a_reqs = workload(seed, n, 24)
     b_reqs = workload(seed, n, 24)
     _, slow, _ = drive(cfg, a_reqs, fast=False)
-    _, fast, ff = drive(cfg, b_reqs, fast=True)
+    _, fast, ff = drive(cfg, b_reqs, fast=True, finishing=finishing)
     slow_at = dict(slow)
     for steps, snap in fast:
         assert steps in slow_at
         assert snap == slow_at[steps], f"diverged at step {steps}"
     assert [r.output_ids for r in a_reqs] == [r.output_ids for r in b_reqs]
     assert [r.finished_at for r in a_reqs] == [r.finished_at for r in b_reqs]
+    assert [r.finish_reason for r in a_reqs] == [r.finish_reason for r in b_reqs]
 
 
 def test_fast_forward_actually_skips():
@@ -140,9 +156,32 @@ def test_fast_forward_refuses_beyond_horizon():
     ex = SimExecutor(kv_capacity=1024)
     b = s.schedule(0.0)
     s.on_step(b, ex.execute(b), 1.0)
-    h = s.decode_horizon(1.0)
-    assert h == 3          # 4 tokens left; the one that ends it goes the normal way
+    assert s.decode_horizon(1.0) == 3                    # 4 tokens left; the one that ends it excluded
+    h = s.decode_horizon(1.0, finishing=True)
+    assert h == 4                                         # ... or included, as the last step
     with pytest.raises(ValueError):
         s.fast_forward(h + 1, {"a": [5] * (h + 1)}, 2.0)
     with pytest.raises(ValueError):
-        s.fast_forward(2, {"a": [5, 2]}, 2.0)     # EOS inside
+        s.fast_forward(2, {"a": [2, 5]}, 2.0)     # EOS before the last token
+    assert r.output_ids == [r.output_ids[0]] and not s._released
+
+
+@pytest.mark.parametrize("last", [5, 2])
+def test_fast_forward_ends_requests_at_its_last_step(last):
+    """max_tokens reached (LENGTH) or EOS (STOP) at the k-th step: the request ends there, its KV is
+    released as on_step would, and the others keep running."""
+    from shepherd.request import FinishReason
+    s = Scheduler(SchedulerConfig(max_total_tokens=1024), max_model_len=512)
+    a = Request("a", [5] * 10, SamplingParams(max_tokens=4 if last == 5 else 50), eos_token_ids=(2,))
+    b = Request("b", [6] * 10, SamplingParams(max_tokens=50), eos_token_ids=(2,))
+    for r in (a, b):
+        s.add(r, 0.0)
+    ex = SimExecutor(kv_capacity=1024)
+    batch = s.schedule(0.0)
+    s.on_step(batch, ex.execute(batch), 1.0)
+    outs = s.fast_forward(3, {"a": [7, 7, last], "b": [8, 8, 8]}, 4.0)
+    assert [(o.req_id, o.finished) for o in outs] == [("a", True), ("b", False)]
+    assert outs[0].finish_reason is (FinishReason.LENGTH if last == 5 else FinishReason.STOP)
+    assert a.finished_at == 4.0 and [e.req for e in s._running] == [b]
+    assert s._released == ["a"] and a.slots == []      # its KV went back (to the prefix cache)
+    assert s.schedule(4.0).released == ["a"]   # the executor hears of it with the next batch

@@ -84,7 +84,7 @@ class TimeBins:
         self._fit(self._tmax)
         for name, parts in self._pending.items():
             t = np.concatenate([p[0] for p in parts])
-            w = np.concatenate([p[1] for p in parts])
+            w = np.repeat([p[1] for p in parts], [p[0].size for p in parts])
             idx = np.minimum((t / self.width).astype(np.int64), self.max_bins - 1)
             self._series(name)[:] += np.bincount(idx, weights=w, minlength=self.max_bins)
         self._pending.clear()
@@ -95,7 +95,7 @@ class TimeBins:
         if t.size == 0:
             return
         self._tmax = max(self._tmax, float(t[-1]) if t.size == 1 else float(t.max()))
-        self._pending.setdefault(name, []).append((t, np.full(t.size, weight)))
+        self._pending.setdefault(name, []).append((t, weight))
         self._npending += t.size
         if self._npending >= self.PENDING:
             self.flush()
@@ -162,15 +162,16 @@ class RecordStats:
                 self.end = t
         svc = service_of(r)
         c.service += svc
-        self._add_bins(r)
+        tt = np.asarray(r.token_times, dtype=np.float64) if r.token_times else None   # converted once
+        self._add_bins(r, tt)
         if not r.ok:
             c.failed += 1
             self.failures[r.error_kind or "error"] += 1
         elif r.finish is not None:
-            self._add_done(r, c)
+            self._add_done(r, c, tt)
         self._add_sample(r)
 
-    def _add_done(self, r: RequestRecord, c: _Client) -> None:
+    def _add_done(self, r: RequestRecord, c: _Client, tt: Optional[np.ndarray]) -> None:
         tp = tpot_of(r)
         ttft = r.ttft if r.first_token is not None else math.nan
         self.ttft.append(ttft)
@@ -186,8 +187,8 @@ class RecordStats:
         c.output_tokens += r.output_tokens
         self.in_tok += r.prompt_tokens
         self.out_tok += r.output_tokens
-        if len(r.token_times) > 1:
-            self._add_itl(np.diff(np.asarray(r.token_times, dtype=np.float64)))
+        if tt is not None and tt.size > 1:
+            self._add_itl(np.diff(tt))
 
     @property
     def itl(self) -> np.ndarray:
@@ -215,7 +216,7 @@ class RecordStats:
             keep = r < cap
             self._itl[r[keep]] = gaps[keep]
 
-    def _add_bins(self, r: RequestRecord) -> None:
+    def _add_bins(self, r: RequestRecord, tt: Optional[np.ndarray]) -> None:
         b = self.bins
         c = r.client
         b.add1("arrivals", r.arrival)
@@ -225,8 +226,7 @@ class RecordStats:
             b.add1(f"finish/{c}", r.finish)
         if r.first_token is not None:
             b.add1(f"service/{c}", r.first_token, INPUT_WEIGHT * r.prompt_tokens)
-        if r.token_times:
-            tt = np.asarray(r.token_times, dtype=np.float64)
+        if tt is not None:
             b.add("tokens", tt)
             b.add(f"service/{c}", tt, OUTPUT_WEIGHT)
 

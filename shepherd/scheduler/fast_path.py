@@ -1,21 +1,28 @@
 """The simulator's fast path: k decode-only steps at once, same state as stepping.
 
-    decode_horizon(sched, now) -> int
+    decode_horizon(sched, now, finishing=False) -> int
         k >= 0 such that, if nothing arrives or is aborted and no request stops
         early (EOS / stop id / stop string), the next k schedule() calls would
         each return the same decode-only batch (only positions advance): no
-        admission or swap-in possible, no max_tokens/max_model_len finish, no
-        allocation that needs eviction or preemption, no forced (debug)
-        preemption, no aging/policy change that could alter the batch. 0 when
+        admission or swap-in possible, no allocation that needs eviction or
+        preemption, no forced (debug) preemption, no aging/policy change that
+        could alter the batch. No max_tokens/max_model_len finish within the k
+        steps; with finishing=True one is allowed at the k-th (the last) step,
+        so the step that ends a request needs no schedule() of its own. 0 when
         the next step is anything else. Conservative: it may return less than
         the true value, never more.
     fast_forward(sched, k, tokens, now) -> list[RequestOutput]
-        Apply k such steps at once (k <= decode_horizon): tokens maps every
-        running req_id to the k tokens it sampled. Same effect on state as k
-        schedule()/on_step() pairs (KV slots, step counter, counters,
-        new_token_ratio decay, VTC charges, stats), and one RequestOutput per
-        request carrying its k tokens. Raises ValueError if k exceeds the
-        horizon or a token would stop a request (then step normally).
+        Apply k such steps at once (k <= decode_horizon(finishing=True)):
+        tokens maps every running req_id to the k tokens it sampled. Same
+        effect on state as k schedule()/on_step() pairs (KV slots, step
+        counter, counters, new_token_ratio decay, VTC charges, stats, and the
+        requests that end at the k-th step: max_tokens reached, or a stop id as
+        their last token), and one RequestOutput per request carrying its k
+        tokens. Raises ValueError if k exceeds the horizon or a token before
+        the last would stop a request (then step normally). Requests that ended
+        before (released) reach the executor with the next schedule()'s batch,
+        as they would have with the first of the k steps: the fast path
+        executes nothing in between.
 
 Nothing here mirrors schedule(): the admission check after t decode steps is
 the scheduler's own _admission_state(ahead=t), the examined candidates its own
@@ -28,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional
 
-from shepherd.request import RequestOutput
+from shepherd.request import FinishReason, RequestOutput
 from shepherd.scheduler.admission import Optimistic
 
 if TYPE_CHECKING:
@@ -43,9 +50,22 @@ def _pages_after(s: "Scheduler", t: int) -> int:
     return sum(s.kv.decode_pages(e, t) for e in s._running)
 
 
-def decode_horizon(s: "Scheduler", now: float) -> int:
+def _state_key(s: "Scheduler") -> tuple:
+    """Changes with every call that can change a horizon: schedule() (the step counter),
+    add() (the arrival counter), an ending (the entries), on_step() (tokens sampled)."""
+    return s._step, s._seq, len(s._entries), s._stats.generated_tokens
+
+
+def decode_horizon(s: "Scheduler", now: float, finishing: bool = False) -> int:
     """See the module docstring. O(running + examined candidates) in the common cases."""
-    if s._released or s._deferred_outputs or not s._running:
+    h = _horizon(s, finishing)
+    if finishing:
+        s._ff_horizon = (_state_key(s), h)   # fast_forward checks against it without a second pass
+    return h
+
+
+def _horizon(s: "Scheduler", finishing: bool) -> int:
+    if s._deferred_outputs or not s._running:
         return 0
     cfg = s.cfg
     running = s._running
@@ -54,13 +74,18 @@ def decode_horizon(s: "Scheduler", now: float) -> int:
         return 0
     k = 1 << 30
     d_any = False
+    last = 0 if finishing else 1     # the step that reaches a request's limit may be the k-th
     for e in running:
         r = e.req
-        if r.num_computed != r.num_tokens - 1 or e.fresh or len(r.output_ids) == e.out_at_admit:
+        nc = r.num_computed
+        nout = len(r.output_ids)
+        if nc != len(r.prompt_ids) + nout - 1 or e.fresh or nout == e.out_at_admit:
             return 0      # prefill pending, new slots, or the first token (caches the prompt) not out yet
-        if len(r.slots) != r.num_computed:
+        if len(r.slots) != nc:
             d_any = True
-        k = min(k, e.limit - len(r.output_ids) - 1)
+        left = e.limit - nout - last
+        if left < k:
+            k = left
     if k <= 0:
         return 0
     K = cfg.debug_preempt_every
@@ -194,9 +219,14 @@ def _optimistic_root(s: "Scheduler", k: int, cands, any_fits) -> int:
         if t_floor < first and A - rmin * D - n * (1 - rmin) * t_floor >= 0:
             first = min(first, t_floor)
     t = k if first >= k else max(1, int(first) - 1)
-    # confirm with the exact check: step back while it already fits earlier
+    # confirm with the exact check: step back while it already fits earlier, and forward
+    # (a step or two of rounding margin) while it does not fit yet, so the result is the
+    # same whatever k was asked (a longer request for the horizon never shortens it)
     while t > 1 and any_fits(t - 1):
         t -= 1
+    stop = min(k, t + HORIZON_SCAN)
+    while t < stop and not any_fits(t):
+        t += 1
     return t
 
 
@@ -204,7 +234,8 @@ def fast_forward(s: "Scheduler", k: int, tokens: dict[str, list[int]], now: floa
     """See the module docstring: k decode steps at once, same state as stepping."""
     if k <= 0:
         return []
-    h = decode_horizon(s, now)
+    memo = getattr(s, "_ff_horizon", None)
+    h = memo[1] if memo is not None and memo[0] == _state_key(s) else _horizon(s, True)
     if k > h:
         raise ValueError(f"fast_forward({k}) beyond decode_horizon()={h}")
     running = s._running
@@ -212,16 +243,11 @@ def fast_forward(s: "Scheduler", k: int, tokens: dict[str, list[int]], now: floa
         toks = tokens.get(e.req.req_id)
         if toks is None or len(toks) != k:
             raise ValueError(f"fast_forward: need {k} tokens for {e.req.req_id}")
-        if not e.stop_ids.isdisjoint(toks):
-            raise ValueError(f"fast_forward: a token would stop {e.req.req_id}; step normally")
+        stop = e.stop_ids
+        if not stop.isdisjoint(toks) and (toks[-1] not in stop or not stop.isdisjoint(toks[:-1])):
+            raise ValueError(f"fast_forward: a token before the last would stop {e.req.req_id}; step normally")
     s.kv.grow(running, k)
-    outs = []
-    for e in running:
-        r = e.req
-        toks = tokens[r.req_id]
-        s._take_tokens(e, toks, now)
-        r.num_computed += k
-        outs.append(RequestOutput(r.req_id, new_token_ids=list(toks)))
+    # what schedule() does before the step's on_step: counters, then the KV peak
     st = s._stats
     s._step += k
     s._ratio_steps += k
@@ -230,4 +256,16 @@ def fast_forward(s: "Scheduler", k: int, tokens: dict[str, list[int]], now: floa
     st.begin_step()
     st.last_decode_seqs = len(running)
     s._note_peak()
+    outs = []
+    for e in list(running):    # on_step's order: tokens, then the end of a request that stops
+        r = e.req
+        toks = tokens[r.req_id]
+        s._take_tokens(e, toks, now)
+        r.num_computed += k
+        if toks[-1] in e.stop_ids:
+            outs.append(s._end(e, FinishReason.STOP, now, new_tokens=toks))
+        elif len(r.output_ids) >= e.limit:
+            outs.append(s._end(e, FinishReason.LENGTH, now, new_tokens=toks))
+        else:
+            outs.append(RequestOutput(r.req_id, new_token_ids=toks))   # the caller's list, not copied
     return outs

@@ -12,7 +12,7 @@ The engine, the simulator and the tests use exactly this:
     outs = sched.on_step(batch, result, now)  # one RequestOutput per request that got a token or ended
     sched.stats() / sched.snapshot()          # every counter (a copy) / an O(1) SchedulerSnapshot
     sched.has_work, sched.running, sched.waiting, sched.swapped, sched.get(req_id), check_integrity()
-    sched.decode_horizon(now), sched.fast_forward(k, tokens, now)   # the simulator's, fast_path.py
+    sched.decode_horizon(now[, finishing]), sched.fast_forward(k, tokens, now)   # the simulator's, fast_path.py
 
 Owners: KVManager (kv_manager.py) makes every write to KV memory; the
 admission mode (admission.py) says whether a candidate fits, whether steps
@@ -469,8 +469,8 @@ class Scheduler:
         return outs
 
     # ------------------------------------------------------------------ fast path (simulator)
-    def decode_horizon(self, now: float) -> int:
-        return fast_path.decode_horizon(self, now)
+    def decode_horizon(self, now: float, finishing: bool = False) -> int:
+        return fast_path.decode_horizon(self, now, finishing)
 
     def fast_forward(self, k: int, tokens: dict[str, list[int]], now: float) -> list[RequestOutput]:
         return fast_path.fast_forward(self, k, tokens, now)

@@ -103,15 +103,23 @@ class _TokenMixin:
         return tok
 
     def token_block(self, req, k: int) -> list[int]:
-        """The next k tokens (the caller guarantees none is the EOS position)."""
-        pos = len(req.prompt_ids) + len(req.output_ids)
+        """The next k tokens; the last is EOS when it is the request's target position
+        (the caller guarantees no earlier one is)."""
+        n_out = len(req.output_ids)
+        pos = len(req.prompt_ids) + n_out
         if req.params.stop_token_ids or self.eos_token_id >= 3:
-            return [self._tok(req, p) for p in range(pos, pos + k)]
-        m = self.vocab_size - 3
-        a = req.prompt_ids[-1] * 1000003 + 12345
-        if k < 48:
-            return [3 + (a + p * 7919) % m for p in range(pos, pos + k)]
-        return (3 + (a + np.arange(pos, pos + k, dtype=np.int64) * 7919) % m).tolist()
+            out = [self._tok(req, p) for p in range(pos, pos + k)]
+        else:
+            m = self.vocab_size - 3
+            a = req.prompt_ids[-1] * 1000003 + 12345
+            if k < 48:
+                out = [3 + (a + p * 7919) % m for p in range(pos, pos + k)]
+            else:
+                out = (3 + (a + np.arange(pos, pos + k, dtype=np.int64) * 7919) % m).tolist()
+        t = self.target_len(req)
+        if t is not None and n_out + k >= t:
+            out[-1] = self.eos_token_id
+        return out
 
 
 def _make_executor(sim: "Simulator"):
@@ -215,11 +223,21 @@ class Replica:
         return True
 
     # -- the loop ------------------------------------------------------------
-    def advance_to(self, t_limit: float) -> None:
+    def advance_to(self, t_limit: float, settle: bool = False) -> None:
+        """Run every step that starts before t_limit. settle=True (routers that read
+        only counts): stop as soon as no request can join, leave or change state
+        before t_limit; the steps left are the same decode-only batch, run when the
+        replica is next advanced (the fast path's chunking does not change a token time)."""
         sched = self.sched
         while self.clock < t_limit and sched.has_work:
-            if self.fast and self._fast_forward(t_limit):
-                continue
+            if settle and self.quiet_until >= t_limit:
+                break
+            plan = self._plan() if self.fast else None
+            if plan is not None:
+                if settle and self._quiet_after(plan, 0) >= t_limit:
+                    break
+                if self._fast_forward(t_limit, plan):
+                    continue
             if not self._step():
                 break
 
@@ -309,26 +327,42 @@ class Replica:
         self.sim.on_finish(self, tr)
 
     # -- fast path ---------------------------------------------------------------
-    def _fast_forward(self, t_limit: float) -> bool:
+    def _plan(self):
+        """(running requests, their total context, stop) when the next steps are a
+        decode-only batch: stop = how many of them may run in one go, the last of which
+        may end a request (decode_horizon with finishing, and the trace's lengths);
+        None when the next step must go through schedule()."""
         sched = self.sched
-        now = self.clock
-        h = sched.decode_horizon(now)
+        h = sched.decode_horizon(self.clock, finishing=True)
         if h < 2:
-            return False
+            return None
         running = sched.running
-        if not running:
-            return False
-        n = len(running)
         ctx0 = 0
         stop = h
-        exe = self.exec
         tracks = self.tracks
         for req in running:
             ctx0 += len(req.prompt_ids) + len(req.output_ids)
-            # the step that samples a request's last token (EOS or max_tokens) goes the normal way
-            left = tracks[req.req_id].target - len(req.output_ids) - 1
+            # the step that samples a request's last token (EOS or max_tokens) may be the k-th
+            left = tracks[req.req_id].target - len(req.output_ids)
             if left < stop:
                 stop = left
+        return running, ctx0, stop
+
+    def _quiet_after(self, plan, k: int) -> float:
+        """After k of the plan's steps: the time before which nothing changes (the rest
+        are the same decode-only batch and only the last of them may end a request, at
+        its end: nothing changes before the start of that last one)."""
+        running, ctx0, stop = plan
+        n = len(running)
+        self.quiet_until = self.clock + max(0, stop - k - 1) * self.cost.decode_step_lb(n, ctx0 + k * n)
+        return self.quiet_until
+
+    def _fast_forward(self, t_limit: float, plan) -> bool:
+        running, ctx0, stop = plan
+        n = len(running)
+        now = self.clock
+        exe = self.exec
+        tracks = self.tracks
         k = stop
         if t_limit != math.inf:
             # steps never get shorter as contexts grow: at most this many start before t_limit
@@ -370,10 +404,9 @@ class Replica:
                                                     for r in running]))
         members = list(running)
         t_end = float(ends[-1])
-        # the next `stop - k` steps are the same decode-only batch, none of them ends a request
-        self.quiet_until = t_end + (stop - k) * self.cost.decode_step_lb(n, ctx0 + k * n)
-        outs = sched.fast_forward(k, tokens, t_end)
+        outs = self.sched.fast_forward(k, tokens, t_end)
         self.clock = t_end
+        self._quiet_after(plan, k)
         self.steps += k
         self.fast_steps += k
         view = ends

@@ -336,8 +336,7 @@ class Simulator:
         rec = RequestRecord(req_id=req.req_id, client=tr.client, arrival=now, prompt_tokens=tr.prompt_tokens)
         if not self._lazy:
             for rep in self.replicas:
-                if not (self._skip_quiet and now <= rep.quiet_until):
-                    rep.advance_to(now)
+                rep.advance_to(now, settle=self._skip_quiet)
         ridx = self._choose(tr, req, now)
         rep = self.replicas[ridx]
         rec.replica = ridx
