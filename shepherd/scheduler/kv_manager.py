@@ -158,7 +158,9 @@ class KVManager:
             n = min(req.num_computed, len(slots))
             n -= n % self.page_size
             if n > e.cached_len:
-                existing = self.tree.insert(req.all_ids[:n], slots[:n])
+                pr = req.prompt_ids     # the first n of all_ids, without building all of it
+                ids = pr[:n] if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
+                existing = self.tree.insert(ids, slots[:n])
                 if existing > e.cached_len:
                     pool.free(pool.pages_of(slots, e.cached_len, existing))
                 pool.free(pool.pages_of(slots, n))
@@ -184,11 +186,12 @@ class KVManager:
         if self.tree is None or n <= e.cached_len:
             return
         tree = self.tree
-        ids = req.all_ids[:n]
-        existing = tree.insert(ids, req.slots[:n])
-        slots, node = tree.match_prefix(ids, touch=False)
-        assert len(slots) == n
+        pr = req.prompt_ids
+        ids = pr[:n] if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
+        existing, node = tree.insert_node(ids, req.slots[:n])
         if existing > e.cached_len:
+            slots, node = tree.match_prefix(ids, touch=False)   # the tree's slots for the shared part
+            assert len(slots) == n
             self.pool.free(self.pool.pages_of(req.slots, e.cached_len, existing))
             req.slots[e.cached_len:existing] = slots[e.cached_len:existing]
             e.fresh = True

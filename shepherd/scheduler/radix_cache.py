@@ -181,6 +181,11 @@ class RadixCache:
         """Insert ids[:n] -> slots[:n] (n page-aligned). Returns how many leading
         tokens were already cached: the caller owns slots[:that] duplicates and
         must free the ones it does not share with the tree."""
+        return self.insert_node(ids, slots)[0]
+
+    def insert_node(self, ids: list[int], slots: list[int]) -> tuple[int, Node]:
+        """insert(), and the node where ids[:n] ends: the one match_prefix(ids[:n])
+        would return right after (insert splits nodes where the match ends)."""
         p = self.page_size
         n = min(len(ids), len(slots))
         n -= n % p
@@ -196,13 +201,17 @@ class RadixCache:
             node = child
         existing = i
         if i < n:
-            leaf = Node(list(ids[i:n]), list(slots[i:n]), node, self._next_id())
+            # a slice of a list is a new list already; anything else (a tuple) becomes one
+            key = ids[i:n] if isinstance(ids, list) else list(ids[i:n])
+            value = slots[i:n] if isinstance(slots, list) else list(slots[i:n])
+            leaf = Node(key, value, node, self._next_id())
             leaf.last_access = t
             node.children[self._child_key(ids, i)] = leaf
             self._num_nodes += 1
             self.evictable_size += n - i
             self._push(leaf)
-        return existing
+            node = leaf
+        return existing, node
 
     # ---- locks ---------------------------------------------------------------
     def inc_lock_ref(self, node: Node) -> None:
