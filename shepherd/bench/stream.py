@@ -16,6 +16,7 @@ run outgrows them.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from array import array
@@ -31,6 +32,7 @@ OUTPUT_WEIGHT = 2.0
 ITL_RESERVOIR = 1 << 21
 SAMPLE_RECORDS = 300
 RECENT_RECORDS = 150
+PENDING_RECORDS = 256      # token times are binned and pooled this many records at a time
 
 
 def tpot_of(r: RequestRecord) -> Optional[float]:
@@ -134,13 +136,16 @@ class RecordStats:
         self.ttft, self.tpot, self.e2e = array("d"), array("d"), array("d")   # completed, aligned
         self._itl = np.zeros(1024)      # grows by doubling up to ITL_RESERVOIR
         self._itl_n = 0
-        self.itl_seen = 0
+        self._itl_seen = 0
         self.out_tok = self.in_tok = 0
         self.preemptions = 0
         self.start = math.inf
         self.end = -math.inf
         self.clients: dict[str, _Client] = {}
-        self.bins = TimeBins()
+        self._bins = TimeBins()
+        # records' token times not yet binned / pooled: (times, client, completed); numpy per call
+        # costs more than the work on one request's few hundred times, so they go in batches
+        self._tok_pending: list = []
         self.sample: list[RequestRecord] = []          # uniform over the run
         self.recent: deque = deque(maxlen=RECENT_RECORDS)   # the last to end: a contiguous window
         self.sample_cap = sample_records
@@ -162,16 +167,59 @@ class RecordStats:
                 self.end = t
         svc = service_of(r)
         c.service += svc
-        tt = np.asarray(r.token_times, dtype=np.float64) if r.token_times else None   # converted once
-        self._add_bins(r, tt)
+        self._add_bins(r)
+        done = False
         if not r.ok:
             c.failed += 1
             self.failures[r.error_kind or "error"] += 1
         elif r.finish is not None:
-            self._add_done(r, c, tt)
+            self._add_done(r, c)
+            done = True
+        if r.token_times:
+            self._tok_pending.append((r.token_times, r.client, done))
+            if len(self._tok_pending) >= PENDING_RECORDS:
+                self._flush_tokens()
         self._add_sample(r)
 
-    def _add_done(self, r: RequestRecord, c: _Client, tt: Optional[np.ndarray]) -> None:
+    def _flush_tokens(self) -> None:
+        """Bin and pool the pending records' token times, in record order: the same
+        bins, and the same gaps given to the reservoir in the same order (so the same
+        draws), as one record at a time."""
+        pend = self._tok_pending
+        if not pend:
+            return
+        self._tok_pending = []
+        sizes = np.fromiter((len(p[0]) for p in pend), dtype=np.int64, count=len(pend))
+        tt = np.fromiter(itertools.chain.from_iterable(p[0] for p in pend), dtype=np.float64, count=int(sizes.sum()))
+        b = self._bins
+        b.add("tokens", tt)
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        for c in {p[1] for p in pend}:
+            mine = [i for i, p in enumerate(pend) if p[1] == c]
+            part = tt if len(mine) == len(pend) else np.concatenate([tt[starts[i]:ends[i]] for i in mine])
+            b.add(f"service/{c}", part, OUTPUT_WEIGHT)
+        # inter-token gaps of completed records: diffs within each record, none across two
+        keep = np.ones(tt.size, dtype=bool)
+        keep[starts] = False
+        for i, p in enumerate(pend):
+            if not p[2]:
+                keep[starts[i]:ends[i]] = False
+        gaps = np.diff(tt, prepend=tt[0] if tt.size else 0.0)[keep]
+        if gaps.size:
+            self._add_itl(gaps)
+
+    @property
+    def bins(self) -> TimeBins:
+        self._flush_tokens()
+        return self._bins
+
+    @property
+    def itl_seen(self) -> int:
+        self._flush_tokens()
+        return self._itl_seen
+
+    def _add_done(self, r: RequestRecord, c: _Client) -> None:
         tp = tpot_of(r)
         ttft = r.ttft if r.first_token is not None else math.nan
         self.ttft.append(ttft)
@@ -187,18 +235,17 @@ class RecordStats:
         c.output_tokens += r.output_tokens
         self.in_tok += r.prompt_tokens
         self.out_tok += r.output_tokens
-        if tt is not None and tt.size > 1:
-            self._add_itl(np.diff(tt))
 
     @property
     def itl(self) -> np.ndarray:
         """The pooled inter-token gaps (all of them, or a uniform sample of ITL_RESERVOIR)."""
+        self._flush_tokens()
         return self._itl[:self._itl_n]
 
     def _add_itl(self, gaps: np.ndarray) -> None:
         cap = ITL_RESERVOIR
-        seen = self.itl_seen
-        self.itl_seen += gaps.size
+        seen = self._itl_seen
+        self._itl_seen += gaps.size
         n = self._itl_n
         take = min(cap - n, gaps.size)
         if take > 0:
@@ -216,8 +263,8 @@ class RecordStats:
             keep = r < cap
             self._itl[r[keep]] = gaps[keep]
 
-    def _add_bins(self, r: RequestRecord, tt: Optional[np.ndarray]) -> None:
-        b = self.bins
+    def _add_bins(self, r: RequestRecord) -> None:
+        b = self._bins
         c = r.client
         b.add1("arrivals", r.arrival)
         b.add1(f"arrive/{c}", r.arrival)
@@ -226,9 +273,6 @@ class RecordStats:
             b.add1(f"finish/{c}", r.finish)
         if r.first_token is not None:
             b.add1(f"service/{c}", r.first_token, INPUT_WEIGHT * r.prompt_tokens)
-        if tt is not None:
-            b.add("tokens", tt)
-            b.add(f"service/{c}", tt, OUTPUT_WEIGHT)
 
     def _add_sample(self, r: RequestRecord) -> None:
         # the records themselves: a caller that streams drops their token times after add()
@@ -272,7 +316,7 @@ class RecordStats:
         request in the system at some time in the bin (arrived by its end, not finished
         before its start)."""
         names = sorted(self.clients)
-        b = self.bins
+        b = self.bins    # flushed
         alive = np.zeros((len(names), b.max_bins), dtype=bool)
         svc = np.zeros((len(names), b.max_bins))
         for i, c in enumerate(names):
