@@ -353,7 +353,15 @@ def _stream(seed: int, start: int, n: int, vocab_size: int) -> list[int]:
     a = seed % _P
     b = (seed >> 31) % (_P - 1) + 1
     x = (a + b * np.arange(start, start + n, dtype=np.int64)) % _P
-    return (x % span + RESERVED_IDS).tolist()
+    return token_objects(vocab_size)[x % span + RESERVED_IDS].tolist()
+
+
+@functools.lru_cache(maxsize=8)
+def token_objects(vocab_size: int) -> np.ndarray:
+    """Every id of the vocabulary as one int object (an object array): prompts and
+    outputs made by indexing it share those objects instead of each allocating its
+    own, which costs time per token and memory in every cached prompt."""
+    return np.arange(vocab_size, dtype=np.int64).astype(object)
 
 
 @functools.lru_cache(maxsize=256)

@@ -68,10 +68,11 @@ class KVManager:
     def candidate_need(self, e: Entry) -> tuple[int, int, int]:
         """(own tokens, growth b, locked-from-free) for admitting waiting e now.
         No side effects: a failed attempt leaves the cache exactly as it was."""
-        ids = e.req.all_ids
+        req = e.req
+        ids = req.all_ids if req.output_ids else req.prompt_ids   # no copy of a prompt that waits
         hit = locked = 0
         if self.tree is not None:
-            hit, locked = self.tree.match_info(ids[:-1])
+            hit, locked = self.tree.match_info(ids, len(ids) - 1)
         own = self.pool.pages_needed(hit, len(ids) - hit) * self.page_size
         return own, self._growth(e, len(ids)), locked
 
@@ -83,12 +84,12 @@ class KVManager:
     def admit(self, e: Entry, own: int) -> None:
         """Give waiting e its whole known sequence: the cached prefix (locked) plus `own` fresh tokens."""
         req = e.req
-        ids = req.all_ids
+        ids = req.all_ids if req.output_ids else req.prompt_ids
         hit = 0
         req.slots = []
         st = self.stats
         if self.tree is not None:
-            hit_slots, node = self.tree.match_prefix(ids[:-1], touch=True)
+            hit_slots, node = self.tree.match_prefix(ids, touch=True, n=len(ids) - 1)
             hit = len(hit_slots)
             if hit:
                 self.tree.inc_lock_ref(node)
@@ -160,7 +161,7 @@ class KVManager:
             if n > e.cached_len:
                 pr = req.prompt_ids     # the first n of all_ids, without building all of it
                 ids = pr[:n] if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
-                existing = self.tree.insert(ids, slots[:n])
+                existing = self.tree.insert(ids, slots)     # len(ids) == n: inserts n
                 if existing > e.cached_len:
                     pool.free(pool.pages_of(slots, e.cached_len, existing))
                 pool.free(pool.pages_of(slots, n))
@@ -188,7 +189,7 @@ class KVManager:
         tree = self.tree
         pr = req.prompt_ids
         ids = pr[:n] if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
-        existing, node = tree.insert_node(ids, req.slots[:n])
+        existing, node = tree.insert_node(ids, req.slots)     # len(ids) == n: inserts n
         if existing > e.cached_len:
             slots, node = tree.match_prefix(ids, touch=False)   # the tree's slots for the shared part
             assert len(slots) == n

@@ -105,11 +105,12 @@ class RadixCache:
         return child
 
     # ---- lookup --------------------------------------------------------------
-    def match_prefix(self, ids: list[int], touch: bool = True) -> tuple[list[int], Node]:
-        """Longest cached prefix of ids (page-aligned): (its slots, last node).
-        Splits a node when the match ends inside it."""
+    def match_prefix(self, ids: list[int], touch: bool = True, n: Optional[int] = None) -> tuple[list[int], Node]:
+        """Longest cached prefix of ids[:n] (page-aligned; n: all of ids): (its slots,
+        last node). Splits a node when the match ends inside it."""
         p = self.page_size
-        n = len(ids) - len(ids) % p
+        n = len(ids) if n is None else n
+        n -= n % p
         node = self.root
         out: list[int] = []
         i = 0
@@ -142,11 +143,12 @@ class RadixCache:
             node = child
         return i
 
-    def match_info(self, ids: list[int]) -> tuple[int, int]:
-        """(cached prefix length, how many of those tokens are unlocked now) without
-        touching or splitting anything: what admission checks use."""
+    def match_info(self, ids: list[int], n: Optional[int] = None) -> tuple[int, int]:
+        """(cached prefix length of ids[:n], how many of those tokens are unlocked now)
+        without touching or splitting anything: what admission checks use."""
         p = self.page_size
-        n = len(ids) - len(ids) % p
+        n = len(ids) if n is None else n
+        n -= n % p
         node = self.root
         i = 0
         unlocked = 0

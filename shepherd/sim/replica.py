@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shepherd.bench.records import RequestRecord
+from shepherd.bench.traces import token_objects
 from shepherd.config import SchedulerConfig
 from shepherd.step import StepResult
 from shepherd.request import FinishReason, Request, RequestState
@@ -115,7 +116,8 @@ class _TokenMixin:
             if k < 48:
                 out = [3 + (a + p * 7919) % m for p in range(pos, pos + k)]
             else:
-                out = (3 + (a + np.arange(pos, pos + k, dtype=np.int64) * 7919) % m).tolist()
+                x = 3 + (a + np.arange(pos, pos + k, dtype=np.int64) * 7919) % m
+                out = token_objects(self.vocab_size)[x].tolist()
         t = self.target_len(req)
         if t is not None and n_out + k >= t:
             out[-1] = self.eos_token_id
@@ -200,6 +202,7 @@ class Replica:
         # the batch is decode-only and its next finish is later); routers that read only
         # counts need not wait for this replica to catch up to an arrival before it
         self.quiet_until = -math.inf
+        self._planned = (None, None)   # (state, plan): a plan holds until the replica steps or takes a request
 
     def counters(self) -> dict:
         return {"replica": self.idx, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
@@ -264,6 +267,7 @@ class Replica:
 
     def _step(self) -> bool:
         self.quiet_until = -math.inf
+        self._planned = (None, None)    # schedule() may change the state even when it runs nothing
         sched = self.sched
         t0 = self.clock
         batch = sched.schedule(t0)
@@ -332,6 +336,13 @@ class Replica:
         decode-only batch: stop = how many of them may run in one go, the last of which
         may end a request (decode_horizon with finishing, and the trace's lengths);
         None when the next step must go through schedule()."""
+        key = (self.steps, self.requests)
+        if self._planned[0] == key:
+            return self._planned[1]
+        self._planned = (key, self._make_plan())
+        return self._planned[1]
+
+    def _make_plan(self):
         sched = self.sched
         h = sched.decode_horizon(self.clock, finishing=True)
         if h < 2:
