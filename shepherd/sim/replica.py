@@ -189,7 +189,6 @@ class Replica:
         self.tracks: dict[str, Track] = {}
         self.fast = cfg.fast
         self.ts = Series(4) if cfg.timeseries else None     # kv_used, kv_cached, running, waiting
-        self.kv_peak = 0
         self.cached_peak = 0
         self.steps = 0
         self.fast_steps = 0
@@ -203,6 +202,12 @@ class Replica:
         # counts need not wait for this replica to catch up to an arrival before it
         self.quiet_until = -math.inf
         self._planned = (None, None)   # (state, plan): a plan holds until the replica steps or takes a request
+
+    @property
+    def kv_peak(self) -> int:
+        """KV used by requests at its highest: the scheduler's own peak, noted at every
+        schedule() and fast-forward, before a finishing request lets go of its KV."""
+        return self.sched.stats().kv_peak_used
 
     def counters(self) -> dict:
         return {"replica": self.idx, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
@@ -246,8 +251,6 @@ class Replica:
 
     def _sample_ts(self) -> None:
         used, cached, nrun, nwait, _ = probe(self.sched)
-        if used > self.kv_peak:
-            self.kv_peak = used
         if cached > self.cached_peak:
             self.cached_peak = cached
         if self.ts is not None:
