@@ -24,21 +24,24 @@ steps while its clock is before that time (a step that started before an
 arrival finishes after it, as on a GPU), then the request is added with
 now = its arrival. Policies that read no replica state (round-robin, random)
 only advance the chosen replica, so the cost per arrival is one replica's
-work; policies that read only counts (COUNT_POLICIES) skip a replica whose
-counts cannot change before the arrival (Replica.quiet_until).
+work; policies that read only counts (COUNT_POLICIES) advance a replica only
+until its counts cannot change before the arrival (Replica.advance_to with
+settle: the decode steps left run later, in one chunk).
 
 The fast path
 -------------
 Between two events a decode-only batch does not change. When the scheduler
-says the next h steps are decode-only and identical in membership
-(`Scheduler.decode_horizon(now)`), the simulator takes k = min(h, steps
-until the first request in the batch stops, steps that start before the
-next arrival to this replica) steps at once: the step times come from the
+says the next h steps are decode-only and identical in membership, the last
+of them possibly ending requests (`Scheduler.decode_horizon(now,
+finishing=True)`), the simulator takes k = min(h, steps until the first
+request in the batch stops, steps that start before the next arrival to this
+replica) steps at once: the step times come from the
 cost model in one vectorised call (`decode_step_times`: the time of a
 decode-only step depends only on the batch size and the total context,
 which grows by the batch size per step), the end times are accumulated in
 the same order as one-by-one stepping, and `Scheduler.fast_forward(k,
-tokens, now)` appends the k tokens of every request. `fast=False` steps one
+tokens, now)` appends the k tokens of every request and ends those that
+finish at the k-th step. `fast=False` steps one
 by one; tests/test_simulator.py checks that both give the same records.
 """
 from __future__ import annotations
@@ -65,9 +68,9 @@ from shepherd.sim.replica import Replica, Track, probe
 # its fallback for requests without a session reads load.
 LAZY_POLICIES = {"round-robin", "roundrobin", "rr", "random"}
 # Policies that read replica counts (running, waiting, in flight) but not KV use: a
-# replica whose counts cannot change before an arrival (Replica.quiet_until) is not
-# advanced to it; it catches up later with the same steps (the fast path's chunking
-# does not change a token time).
+# replica is advanced only until its counts cannot change before an arrival
+# (Replica.quiet_until); it catches up later with the same steps (the fast path's
+# chunking does not change a token time).
 COUNT_POLICIES = {"least-request", "least-loaded", "shortest-queue", "power-of-two", "p2c", "prefix-aware",
                   "prefix-cache", "prefix", "cache-aware", "cache_aware", "vtc-basic", "vtc", "session-affinity",
                   "session"}
