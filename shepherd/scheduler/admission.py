@@ -25,6 +25,7 @@ once per attempt), never O(queue).
 from __future__ import annotations
 
 from bisect import insort
+from typing import Optional
 
 
 class AdmissionState:
@@ -47,6 +48,15 @@ class AdmissionState:
         self.free -= own + locked_from_free
         self.n += 1
 
+    # A request that does not grow in lockstep with the decoders (its prefill spans steps that
+    # decodes run between) is "pinned": only peak's estimate depends on lockstep, so only peak
+    # treats it differently (its whole future reserved, as guaranteed would).
+    def fits_pinned(self, own: int, b: int, locked_from_free: int = 0) -> bool:
+        return self.fits(own, b, locked_from_free)
+
+    def add_pinned(self, own: int, b: int, locked_from_free: int = 0) -> None:
+        self.add(own, b, locked_from_free)
+
 
 class _GuaranteedState(AdmissionState):
     def __init__(self, pairs, free_tokens, ratio=0.0, cap=4096):
@@ -64,14 +74,17 @@ class _GuaranteedState(AdmissionState):
 
 
 class _PeakState(AdmissionState):
-    def __init__(self, pairs, free_tokens, ratio=0.0, cap=4096):
+    def __init__(self, pairs, free_tokens, ratio=0.0, cap=4096, pinned=()):
         super().__init__(pairs, free_tokens, ratio, cap)
-        self.held = sum(o for o, _ in pairs)
+        self.held = sum(o for o, _ in pairs) + sum(o for o, _ in pinned)
         self.items = sorted((-b, o) for o, b in pairs)   # by b descending: (-b, own)
+        self.pinned_need = sum(o + b for o, b in pinned)
+        self.n += len(pinned)
 
-    def _peak(self, extra: tuple[int, int]) -> int:
+    def _peak(self, extra: Optional[tuple[int, int]]) -> int:
         items = list(self.items)
-        insort(items, (-extra[1], extra[0]))
+        if extra is not None:
+            insort(items, (-extra[1], extra[0]))
         best = 0
         cum = 0
         for i, (nb, o) in enumerate(items, 1):
@@ -79,7 +92,7 @@ class _PeakState(AdmissionState):
             v = cum - i * nb
             if v > best:
                 best = v
-        return best
+        return best + self.pinned_need
 
     def fits(self, own, b, locked_from_free=0):
         return self._peak((own, b)) <= self.free - locked_from_free + self.held
@@ -88,6 +101,14 @@ class _PeakState(AdmissionState):
         super().add(own, b, locked_from_free)
         self.held += own
         insort(self.items, (-b, own))
+
+    def fits_pinned(self, own, b, locked_from_free=0):
+        return self._peak(None) + own + b <= self.free - locked_from_free + self.held
+
+    def add_pinned(self, own, b, locked_from_free=0):
+        AdmissionState.add(self, own, b, locked_from_free)
+        self.held += own
+        self.pinned_need += own + b
 
 
 class _OptimisticState(AdmissionState):
@@ -117,7 +138,12 @@ class AdmissionMode:
     stable_under_decode = False
     state_class: type = AdmissionState
 
-    def state(self, pairs, free_tokens: int, ratio: float, cap: int) -> AdmissionState:
+    lockstep = False          # the estimate assumes every running request grows each decode step
+
+    def state(self, pairs, free_tokens: int, ratio: float, cap: int, pinned=()) -> AdmissionState:
+        """pinned: (own, b) of running requests that lag the decoders (lockstep modes only)."""
+        if pinned:
+            return self.state_class(pairs, free_tokens, ratio, cap, pinned=pinned)
         return self.state_class(pairs, free_tokens, ratio, cap)
 
 
@@ -130,9 +156,11 @@ class Guaranteed(AdmissionMode):
 class Peak(AdmissionMode):
     """Never mixes: its exact estimate assumes every running request grows one token per
     step in lockstep; a request prefilling while others decode falls behind them and can
-    then hold its peak after theirs, past the estimate."""
+    then hold its peak after theirs, past the estimate. So a request whose (chunked) prefill
+    spans steps is pinned: its own + b counted whole until it decodes with the others."""
     name = "peak"
     mixes_steps = False
+    lockstep = True
     state_class = _PeakState
 
 

@@ -65,6 +65,15 @@ class KVManager:
         L = len(e.req.slots) if length is None else length
         return pages_for(L - e.cached_len, self.page_size) * self.page_size, self._growth(e, L)
 
+    def lockstep_pair(self, e: Entry, ahead: int = 0) -> tuple[int, int]:
+        """pair() for a lockstep (peak) estimate, `ahead` decode steps from now: a request whose
+        next step allocates nothing (its last prompt token still to run) grows one step behind
+        the others and lives one step longer, so its b counts that step (an upper bound)."""
+        r = e.req
+        L = max(len(r.slots), r.num_computed + ahead)
+        own, b = self.pair(e, L)
+        return own, b + L - r.num_computed - ahead
+
     def candidate_need(self, e: Entry) -> tuple[int, int, int]:
         """(own tokens, growth b, locked-from-free) for admitting waiting e now.
         No side effects: a failed attempt leaves the cache exactly as it was."""

@@ -195,17 +195,16 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
     def _admission_state(self, ahead: int = 0, running: Optional[list[Entry]] = None) -> AdmissionState:
         """What admission sees now, or after `ahead` more decode-only steps (fast path)."""
-        kv = self.kv
-        spent = 0
-        pairs = []
+        kv, lock = self.kv, self.admission.lockstep
+        spent, pairs, pinned = 0, [], []
         for e in self._running if running is None else running:
-            if ahead:
-                spent += kv.decode_pages(e, ahead)
-                pairs.append(kv.pair(e, max(len(e.req.slots), e.req.num_computed + ahead)))
-            else:
-                pairs.append(kv.pair(e))
+            spent += kv.decode_pages(e, ahead) if ahead else 0
+            lag = lock and e.in_prefill()     # a prefill spanning steps lags the decoders: pinned
+            p = kv.lockstep_pair(e, ahead) if lock and not lag else \
+                kv.pair(e, max(len(e.req.slots), e.req.num_computed + ahead))
+            (pinned if lag else pairs).append(p)
         free = (kv.available_pages() - spent) * self.page_size
-        return self.admission.state(pairs, free, self.ratio_after(ahead), self.cfg.reserve_cap_tokens)
+        return self.admission.state(pairs, free, self.ratio_after(ahead), self.cfg.reserve_cap_tokens, pinned)
 
     def _admission_order(self, step: int) -> list[Entry]:
         """The waiting requests one admission attempt examines, in policy order."""
@@ -213,7 +212,7 @@ class Scheduler:
         room = cfg.max_batch_size - len(self._running)
         return list(islice(self.policy.order(self._waiting, step), max(room, 1) + cfg.lookahead + 1))
 
-    def _admit(self, e: Entry, adm: AdmissionState, now: float, resume_swap: bool = False) -> bool:
+    def _admit(self, e: Entry, adm: AdmissionState, now: float, resume_swap: bool = False, room: int = 0) -> bool:
         if resume_swap:
             own, b, locked = self.kv.swap_need(e)
             if not adm.fits(own, b, locked):
@@ -221,12 +220,13 @@ class Scheduler:
             self._pending_swap_in.append(self.kv.swap_in(e, own))
         else:
             own, b, locked = self.kv.candidate_need(e)
-            if not adm.fits(own, b, locked):
+            pin = self.admission.lockstep and own > room    # its prefill will span steps: pinned
+            if not (adm.fits_pinned if pin else adm.fits)(own, b, locked):
                 return False
             self.kv.admit(e, own)
             self.policy.on_leave_queue(e, self._waiting)
             self.policy.on_admit(e, not e.admitted_once)
-        adm.add(own, b, locked)
+        (adm.add_pinned if not resume_swap and pin else adm.add)(own, b, locked)
         req = e.req
         e.fresh = True
         req.state = RequestState.RUNNING
@@ -282,11 +282,11 @@ class Scheduler:
             blocked_by = None
             if len(self._running) >= cfg.max_batch_size:
                 blocked_by = "batch"
-            elif not self._admit(e, adm, now):
+            elif not self._admit(e, adm, now, room=budget - used):
                 blocked_by = "kv"
             if blocked_by is not None and pol.preempts and preemption.preempt_for(self, e, blocked_by, batch):
                 adm = self._admission_state()
-                if len(self._running) < cfg.max_batch_size and self._admit(e, adm, now):
+                if len(self._running) < cfg.max_batch_size and self._admit(e, adm, now, room=budget - used):
                     blocked_by = None
             if blocked_by == "batch":
                 break
