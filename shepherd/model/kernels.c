@@ -379,18 +379,14 @@ void quant_groups_bf16(const uint16_t *x, int8_t *q, float *dx, float *sx, int64
     const int64_t NG = K / 32;
     #pragma omp parallel for schedule(static) if(rows >= 32)
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t g = 0; g < NG; g++) {
+        for (int64_t g = 0; g < NG; g++) {      /* quant_rows' steps, on a group of 32 */
             const uint16_t *xg = x + r * K + 32 * g;
-            __m512 a = v_bf2f(xg), b = v_bf2f(xg + 16);
-            float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-            float d = fmaxf(m, 1e-10f) / 127.0f;
-            __m512 dv = _mm512_set1_ps(d), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
-            const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-            __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(a, dv), rn), lo), hi));
-            __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(b, dv), rn), lo), hi));
-            _mm_storeu_si128((__m128i *)(q + r * K + 32 * g), _mm512_cvtepi32_epi8(qa));
-            _mm_storeu_si128((__m128i *)(q + r * K + 32 * g + 16), _mm512_cvtepi32_epi8(qb));
-            int32_t sq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            int8_t *qg = q + r * K + 32 * g;
+            int64_t done;
+            float d = fmaxf(vabsmax_bf16(xg, 32, &done), 1e-10f) / 127.0f;
+            vquant_bf16(xg, qg, d, 32);
+            int32_t sq = 0;
+            for (int i = 0; i < 32; i++) sq += qg[i];
             dx[r * NG + g] = d;
             sx[r * NG + g] = d * (float)sq;
         }

@@ -45,7 +45,7 @@ class LoadedModel:
     dtype: torch.dtype
     extra: dict = field(default_factory=dict)
     qweights: dict = field(default_factory=dict)   # name -> quant.QWeight (linear weights, when quantised)
-    quantization: str = "none"                      # what the linear weights are: none | int8 | int4
+    quantization: str = "none"                      # what the linear weights are: none | int8 | int4 | w8a8
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -343,8 +343,8 @@ def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
 
 def load_model(path: Optional[str] = None, dtype="bfloat16", quantization: str = "none") -> LoadedModel:
     """Config, weights (Hugging Face names/layout, in `dtype`) and tokenizer. With
-    quantization int8/int4 (or auto, for a GGUF with Q4/Q8 blocks) the linear layers'
-    weights come back in `qweights` instead (shepherd/model/quant.py)."""
+    quantization int8/int4/w8a8 (or auto, for a GGUF with Q4/Q8 blocks) the linear layers'
+    weights come back in `qweights` instead (shepherd/model/quant.py; w8a8 smoothed first)."""
     from shepherd.model.quant import QUANT_MODES, quantize
     if quantization not in QUANT_MODES:
         raise ModelLoadError(f"quantization must be one of {QUANT_MODES}, got {quantization!r}")

@@ -5,8 +5,8 @@ dequantise-then-bf16).
   * w8a8: the same int8 weights, and each activation row quantised to int8 with its own scale
     at run time (dynamic, per token) -> `torch._int_mm` (int8 x int8 -> int32, VNNI on x86),
     then y = acc * s_row * s_col. Integer sums are exact, so any kernel or batch size gives a
-    row the same bits: batch invariance needs no padding here. 6x the bf16 GEMM rate at 64
-    rows on an AVX-512 VNNI CPU without AMX (benchmarks/step_time.py, docs/MODEL.md).
+    row the same bits: batch invariance needs no padding here. 3x the bf16 GEMMs at 64 rows
+    on an AVX-512 VNNI CPU without AMX (benchmarks/quant_gemm_ab.py, docs/MODEL.md).
   * int4: asymmetric, groups of 32 along K (GGUF's block size), w = (q - 8) * scale + zero
     -> `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
 
@@ -183,6 +183,6 @@ class QLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         o = self.owner
         M = x.shape[0]
-        if o.batch_invariant and M < o.min_rows and self.kind != "w8a8":
+        if o.batch_invariant and M < o.min_rows:
             return self.raw(torch.cat([x, x.new_zeros((o.min_rows - M, x.shape[1]))], 0))[:M]
         return self.raw(x)
