@@ -218,3 +218,60 @@ def test_w4a8_kernel_matches_the_dequantised_weights_and_is_row_invariant():
         assert ((full.float() - ref).abs().max() / ref.abs().max()) < 0.02
         for M in (1, 3, 5):
             assert torch.equal(k.w4a8_mm(x[-M:].contiguous(), packed, N), full[-M:])
+
+
+def _kernel_owner():
+    from shepherd.model import kernels
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no C compiler: the fused kernels are off")
+    k = kernels.Kernels(lib, torch.bfloat16)
+    return k, type("O", (), dict(kernels=k, batch_invariant=True, min_rows=1, row_tile=0, use_mkldnn=True,
+                                 device=torch.device("cpu")))()
+
+
+def test_bf16_gemm_kernel_matches_float_matmul_and_is_row_invariant():
+    """The vdpbf16ps GEMM behind llama.Linear: within float32-accumulation error of x @ W^T (+ b),
+    float32 logits straight from the accumulators, and a row's bits the same alone or among many
+    rows (so the batch-invariant mode needs no padding rows with it)."""
+    from shepherd.model.llama import Linear
+    k, owner = _kernel_owner()
+    if not k.bf16_mm:
+        pytest.skip("no AVX512-BF16 on this CPU (oneDNN runs the bf16 GEMMs)")
+    g = torch.Generator().manual_seed(6)
+    for N, K, bias in ((96, 64, True), (960, 576, False), (576, 1536, False)):
+        w = torch.randn(N, K, generator=g).bfloat16()
+        b = torch.randn(N, generator=g).bfloat16() if bias else None
+        lin = Linear(w, b, owner)
+        assert lin.tiles is not None
+        x = torch.randn(37, K, generator=g).bfloat16()
+        ref = x.float() @ w.float().t() + (b.float() if bias else 0)
+        logits = lin.logits(x)
+        assert logits.dtype == torch.float32
+        assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max() * K ** 0.5
+        full = lin(x)
+        assert torch.equal(full, logits.bfloat16())   # one rounding of the same sums
+        for M in (1, 2, 3, 4, 5, 9):
+            for s in (0, 37 - M):
+                assert torch.equal(lin(x[s:s + M]), full[s:s + M]), f"M={M} at {s}"
+
+
+def test_int8_weight_kernel_matches_the_dequantised_weights_and_is_row_invariant():
+    """The int8-weight x bf16 kernel (int8 mode, and the LM head of int4 models): float32 sums of
+    exact products, so within float32 error of x @ dequantize(W)^T; a row's bits do not depend on M."""
+    k, owner = _kernel_owner()
+    if not k.w8:
+        pytest.skip("no AVX-512 on this CPU (torch's int8 kernel runs)")
+    g = torch.Generator().manual_seed(7)
+    qw = quant.quantize_int8(torch.randn(192, 576, generator=g))
+    lin = quant.QLinear(qw, None, owner, torch.bfloat16)
+    assert lin.w8 is not None
+    x = torch.randn(21, 576, generator=g).bfloat16()
+    ref = x.double() @ quant.dequantize(qw).double().t()
+    logits = lin.logits(x)
+    assert ((logits.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    full = lin(x)
+    assert torch.equal(full, logits.bfloat16())
+    for M in (1, 2, 3, 4, 5, 8):
+        for s in (0, 21 - M):
+            assert torch.equal(lin(x[s:s + M]), full[s:s + M]), f"M={M} at {s}"

@@ -215,8 +215,9 @@ class TorchExecutor:
                         if not torch.equal(lin.raw(x[s:s + M]), full[s:s + M]):
                             return False
             return True
-        if m.quantized and invariant((1, 2, 3)):
-            m.min_rows = 1       # torch's int8/int4 kernels: a row's bits do not depend on M, even M = 1
+        own_gemm = getattr(m.layers[0]["qkv"], "tiles", None) is not None     # shepherd's bf16 GEMM
+        if (m.quantized or own_gemm) and invariant((1, 2, 3)):
+            m.min_rows = 1       # shepherd's GEMMs, torch's int8/int4: a row's bits do not depend on M, even M = 1
         ok = invariant((m.min_rows, m.min_rows + 1, 7, 9, 16, 33))
         if not ok:
             m.row_tile = 16

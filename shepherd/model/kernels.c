@@ -434,3 +434,150 @@ void w4a8_mm_bf16(const int8_t *xq, const float *dx, const float *sx, int64_t ro
     }
 }
 #endif
+
+/* ---------------------------------------------------------------- bf16 GEMM (bf16_mm)
+ * y = x W^T (+ b) for bf16 x [rows, K] and W [N, K] on AVX512-BF16 (vdpbf16ps), written for
+ * the decode step's small M, where oneDNN's per-call cost and its M-dependent paths dominate.
+ * Each output element is one float32 accumulator folded over k-pairs 0, 1, .., K/2-1 in order,
+ * whatever the number of rows or how rows and columns are blocked: batch-invariant for any M,
+ * so no padding rows are needed.
+ *
+ * Packed weights, tile t = output rows 16t..16t+15, k-pair major: element (kp, lane, j) at
+ * w[t * 16K + 32 kp + 2 lane + j] = W[16t + lane][2 kp + j]. A tile is one contiguous stream. */
+int has_bf16_mm(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+/* R rows x C tiles of accumulators over all k-pairs (R, C compile-time after inlining). */
+static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, int64_t K, int R,
+                                                             const uint16_t *w, int C, __m512 acc[4][4]) {
+    const int64_t KP = K / 2;
+    const uint32_t *xr[4];
+    for (int r = 0; r < R; r++) xr[r] = (const uint32_t *)(x + r * K);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < KP; kp++) {
+        __m512bh wv[4];
+        for (int c = 0; c < C; c++) {
+            const uint16_t *p = w + c * 16 * K + 32 * kp;
+            _mm_prefetch((const char *)(p + 32 * 16), _MM_HINT_T0);
+            wv[c] = (__m512bh)_mm512_loadu_si512(p);
+        }
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][kp]);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+}
+
+static inline void bf16_store(__m512 v, const uint16_t *bias, void *y, int64_t off, int out_f32) {
+    if (bias) v = _mm512_add_ps(v, v_bf2f(bias));
+    if (out_f32) _mm512_storeu_ps((float *)y + off, v);
+    else v_f2bf((uint16_t *)y + off, v);
+}
+
+void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
+             const uint16_t *bias, void *y, int out_f32) {
+    const int64_t NT = N / 16, NU = (NT + 3) / 4;
+    #pragma omp parallel for schedule(static) if(NT > 1)
+    for (int64_t u = 0; u < NU; u++) {
+        const int64_t t0 = 4 * u;
+        const int C = NT - t0 < 4 ? (int)(NT - t0) : 4;
+        const uint16_t *wt = w + t0 * 16 * K;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
+            const uint16_t *xb = x + r0 * K;
+            __m512 acc[4][4];
+            /* literal R and C so each case compiles to straight-line register code */
+            if (C == 4) {
+                switch (R) {
+                case 4: bf16_block(xb, K, 4, wt, 4, acc); break;
+                case 3: bf16_block(xb, K, 3, wt, 4, acc); break;
+                case 2: bf16_block(xb, K, 2, wt, 4, acc); break;
+                default: bf16_block(xb, K, 1, wt, 4, acc); break;
+                }
+            } else {
+                for (int c = 0; c < C; c++) {
+                    __m512 a1[4][4];
+                    switch (R) {
+                    case 4: bf16_block(xb, K, 4, wt + c * 16 * K, 1, a1); break;
+                    case 3: bf16_block(xb, K, 3, wt + c * 16 * K, 1, a1); break;
+                    case 2: bf16_block(xb, K, 2, wt + c * 16 * K, 1, a1); break;
+                    default: bf16_block(xb, K, 1, wt + c * 16 * K, 1, a1); break;
+                    }
+                    for (int r = 0; r < R; r++) acc[r][c] = a1[r][0];
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++)
+                    bf16_store(acc[r][c], bias ? bias + 16 * (t0 + c) : NULL, y, (r0 + r) * N + 16 * (t0 + c), out_f32);
+        }
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- int8 weights x bf16 activations
+ * (w8_mm: the LM head of int4/int8 models). y[r][n] = s[n] * sum_k x[r][k] q[n][k], the sum one
+ * float32 FMA chain over k = 0..K-1 in order (batch-invariant for any M), the activations exact
+ * (bf16 -> fp32). Each int8 weight is widened once per block of up to 4 rows.
+ * Packed weights, 64 output rows (a unit) per k-major run: w[u * 64K + 64 k + lane] = q[64u + lane][k]. */
+int has_w8_mm(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void w8_block(const float *x, int64_t K, int R,
+                                                           const int8_t *w, __m512 acc[4][4]) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const int8_t *p = w + 64 * k;
+        _mm_prefetch((const char *)(p + 64 * 16), _MM_HINT_T0);
+        __m512i v = _mm512_loadu_si512(p);
+        __m512 wf[4];
+        for (int c = 0; c < 4; c++)
+            wf[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, c)));
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_set1_ps(x[r * K + k]);
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wf[c], acc[r][c]);
+        }
+    }
+}
+
+void w8_mm_bf16(const uint16_t *x, int64_t rows, int64_t K, const int8_t *w, const float *s, int64_t N,
+                void *y, int out_f32) {
+    const int64_t NU = N / 64;
+    float *xf = malloc(sizeof(float) * rows * K);
+    for (int64_t i = 0; i < rows * K; i++) xf[i] = bf2f(x[i]);
+    #pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < NU; u++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
+            __m512 acc[4][4];
+            switch (R) {   /* literal R: straight-line register code per case */
+            case 4: w8_block(xf + r0 * K, K, 4, w + u * 64 * K, acc); break;
+            case 3: w8_block(xf + r0 * K, K, 3, w + u * 64 * K, acc); break;
+            case 2: w8_block(xf + r0 * K, K, 2, w + u * 64 * K, acc); break;
+            default: w8_block(xf + r0 * K, K, 1, w + u * 64 * K, acc); break;
+            }
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < 4; c++) {
+                    const int64_t n = 64 * u + 16 * c;
+                    __m512 v = _mm512_mul_ps(acc[r][c], _mm512_loadu_ps(s + n));
+                    if (out_f32) _mm512_storeu_ps((float *)y + (r0 + r) * N + n, v);
+                    else v_f2bf((uint16_t *)y + (r0 + r) * N + n, v);
+                }
+        }
+    }
+    free(xf);
+}
+#endif

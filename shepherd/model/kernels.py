@@ -105,6 +105,14 @@ def load():
         lib.argmax_rows.argtypes = [_P, _I, _I, _P]
         lib.argmax_rows.restype = None
         lib.has_w4a8.restype = ctypes.c_int
+        lib.has_bf16_mm.restype = ctypes.c_int
+        if lib.has_bf16_mm():
+            lib.bf16_mm.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int]
+            lib.bf16_mm.restype = None
+        lib.has_w8_mm.restype = ctypes.c_int
+        if lib.has_w8_mm():
+            lib.w8_mm_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int]
+            lib.w8_mm_bf16.restype = None
         if lib.has_w4a8():
             lib.quant_groups_bf16.argtypes = [_P, _P, _P, _P, _I, _I]
             lib.w4a8_mm_bf16.argtypes = [_P, _P, _P, _I, _I, _P, _I, _P]
@@ -146,6 +154,8 @@ class Kernels:
         self._quant = getattr(lib, f"quant_rows_{suf}")
         self._dequant = {dtype: getattr(lib, f"dequant_{suf}"), torch.float32: lib.dequant_f32}
         self.w4a8 = dtype == torch.bfloat16 and bool(lib.has_w4a8())   # int4 x int8 on VNNI
+        self.bf16_mm = dtype == torch.bfloat16 and bool(lib.has_bf16_mm())   # vdpbf16ps GEMM
+        self.w8 = dtype == torch.bfloat16 and bool(lib.has_w8_mm())          # int8 weights x bf16
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
         """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""
@@ -203,3 +213,34 @@ class Kernels:
         self._lib.w4a8_mm_bf16(q.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, K, packed.data_ptr(), N,
                                y.data_ptr())
         return y
+
+    @staticmethod
+    def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+        """bf16 [N, K] (N % 16 == 0, K even) -> bf16_mm's tiles: 16 rows, k-pair major (kernels.c)."""
+        N, K = w.shape
+        return w.contiguous().view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def mm_bf16(self, x, packed, N, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+        """x [M, K] bf16 @ weights packed by pack_bf16 (+ bias) -> [M, N] bf16 or float32."""
+        rows, K = x.shape
+        y = torch.empty((rows, N), dtype=out_dtype)
+        if rows:
+            self._lib.bf16_mm(x.data_ptr(), rows, K, packed.data_ptr(), N, _ptr(bias), y.data_ptr(),
+                              int(out_dtype == torch.float32))
+        return y
+
+    @staticmethod
+    def pack_w8(q: torch.Tensor) -> torch.Tensor:
+        """int8 [N, K] (N % 64 == 0) -> w8_mm's units: 64 rows, k-major (kernels.c)."""
+        N, K = q.shape
+        return q.contiguous().view(N // 64, 64, K).transpose(1, 2).contiguous()
+
+    def w8_mm(self, x, packed, scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+        """x [M, K] bf16 @ int8 weights packed by pack_w8, times float32 row scales -> [M, N]."""
+        rows, K = x.shape
+        N = scale.shape[0]
+        y = torch.empty((rows, N), dtype=out_dtype)
+        if rows:
+            self._lib.w8_mm_bf16(x.data_ptr(), rows, K, packed.data_ptr(), scale.data_ptr(), N, y.data_ptr(),
+                                 int(out_dtype == torch.float32))
+        return y if bias is None else y + bias

@@ -114,8 +114,15 @@ class Linear:
         self.b = b
         self.owner = owner
         self.out_features, self.in_features = w.shape
-        self.packed = None
-        if owner.use_mkldnn:
+        self.packed = self.tiles = None
+        k = owner.kernels
+        if (k is not None and k.bf16_mm and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+                and self.out_features % 16 == 0 and self.in_features % 2 == 0):
+            # shepherd's vdpbf16ps GEMM: row-invariant for any M (no padding rows), and at decode
+            # sizes 1.8x oneDNN here (1 row, 2 threads; benchmarks/quant_gemm_ab.py)
+            self.tiles = k.pack_bf16(self.w)
+            self.w = None
+        elif owner.use_mkldnn:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, 64)
                 x = torch.randn(4, w.shape[1]).to(w.dtype)
@@ -129,17 +136,22 @@ class Linear:
     def _mk(self, x):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
 
-    def raw(self, x):
+    def raw(self, x, out_dtype=None):
+        if self.tiles is not None:
+            return self.owner.kernels.mm_bf16(x.contiguous(), self.tiles, self.out_features, self.b,
+                                              out_dtype or x.dtype)
         if self.packed is not None:
             return self._mk(x)
         return F.linear(x, self.w, self.b)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None:     # float32 straight from the accumulators
+            return self.raw(x, torch.float32)
         return self(x).float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         o = self.owner
-        if o.batch_invariant:
+        if o.batch_invariant and self.tiles is None:
             M = x.shape[0]
             if o.row_tile and M:     # (an empty input has no tile to run)
                 T = o.row_tile

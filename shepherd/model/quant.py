@@ -141,8 +141,14 @@ class QLinear:
             self.qt = w.q.contiguous().t()       # [K, N] view of the [N, K] rows: _int_mm's fast layout
             self.scale = w.scale.float().contiguous()
         elif w.kind == "int8":
-            self.q = w.q.contiguous().to(dev)
-            self.scale = w.scale.to(dtype).to(dev)
+            k = getattr(owner, "kernels", None)
+            self.w8 = None
+            if k is not None and k.w8 and self.out_features % 64 == 0:
+                # shepherd's kernel (kernels.c: w8_mm): 1.5x torch's at 1 row, row-invariant for any M
+                self.w8 = (k.pack_w8(w.q), w.scale.float().contiguous())
+            else:
+                self.q = w.q.contiguous().to(dev)
+                self.scale = w.scale.to(dtype).to(dev)
         else:
             if dev.type != "cpu":
                 raise ValueError("int4 weights run on CPU only (torch's CUDA int4 kernel needs another packing)")
@@ -157,7 +163,9 @@ class QLinear:
     def raw(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "w8a8":
             return self._w8a8(x)
-        if self.kind == "int8":
+        if self.kind == "int8" and self.w8 is not None:
+            y = self.owner.kernels.w8_mm(x.contiguous(), *self.w8)
+        elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         elif self.w4 is not None:
             y = self.owner.kernels.w4a8_mm(x, self.w4, self.out_features)
@@ -178,7 +186,11 @@ class QLinear:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 output (the LM head): w8a8 scales its int32 sums straight to float32."""
-        return self._w8a8(x, torch.float32) if self.kind == "w8a8" else self(x).float()
+        if self.kind == "w8a8":
+            return self._w8a8(x, torch.float32)
+        if self.kind == "int8" and self.w8 is not None:
+            return self.owner.kernels.w8_mm(x.contiguous(), *self.w8, self.b, torch.float32)
+        return self(x).float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         o = self.owner
