@@ -169,8 +169,8 @@ class KVManager:
             n -= n % self.page_size
             if n > e.cached_len:
                 pr = req.prompt_ids     # the first n of all_ids, without building all of it
-                ids = pr[:n] if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
-                existing = self.tree.insert(ids, slots)     # len(ids) == n: inserts n
+                ids = pr if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
+                existing = self.tree.insert_node(ids, slots, n, self._locked_at(e))[0]
                 if existing > e.cached_len:
                     pool.free(pool.pages_of(slots, e.cached_len, existing))
                 pool.free(pool.pages_of(slots, n))
@@ -183,6 +183,12 @@ class KVManager:
             e.node = None
         e.cached_len = 0
         req.slots = []
+
+    @staticmethod
+    def _locked_at(e: Entry):
+        """Where e's cached prefix ends in the tree (a node e holds locked), for an insert
+        that need not compare those tokens again; None when e holds no node."""
+        return (e.node, e.cached_len) if e.node is not None else None
 
     def cache_prefilled(self, e: Entry) -> None:
         """SGLang's cache_unfinished_req: once a prompt is computed, put it in the
@@ -197,10 +203,10 @@ class KVManager:
             return
         tree = self.tree
         pr = req.prompt_ids
-        ids = pr[:n] if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
-        existing, node = tree.insert_node(ids, req.slots)     # len(ids) == n: inserts n
+        ids = pr if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
+        existing, node = tree.insert_node(ids, req.slots, n, self._locked_at(e))
         if existing > e.cached_len:
-            slots, node = tree.match_prefix(ids, touch=False)   # the tree's slots for the shared part
+            slots, node = tree.match_prefix(ids, touch=False, n=n)   # the tree's slots for the shared part
             assert len(slots) == n
             self.pool.free(self.pool.pages_of(req.slots, e.cached_len, existing))
             req.slots[e.cached_len:existing] = slots[e.cached_len:existing]
@@ -243,7 +249,7 @@ class KVManager:
             for e, new_page in zip(running, need):
                 sl = e.req.slots
                 if new_page:
-                    sl.append(next(it) * p)
+                    sl.append(next(it) * p if p > 1 else next(it))   # the pool's own int, not a copy
                 elif len(sl) <= e.req.num_computed:
                     sl.append(sl[-1] + 1)
             return
