@@ -61,7 +61,7 @@ from shepherd.config import SchedulerConfig
 from shepherd.request import Request, SamplingParams
 from shepherd.sim.cache_bounds import HitRateBounds
 from shepherd.sim.cost_model import CostModel, RooflineCostModel, make_cost_model
-from shepherd.sim.replica import Replica, Track, probe
+from shepherd.sim.replica import Replica, Track
 
 # Policies whose choice reads no replica state, so routing can happen ahead of the
 # replicas catching up to the arrival time. session-affinity is not among them:
@@ -243,7 +243,7 @@ class Simulator:
         R, policy, states = self._router
         if not self._lazy:
             for rep, st in zip(self.replicas, states):
-                used, _cached, nrun, nwait, _ = probe(rep.sched)
+                used, _cached, nrun, nwait, _ = rep.counts()
                 st.running = nrun
                 st.waiting = nwait
                 st.kv_usage = used / max(1, rep.kv_capacity)
