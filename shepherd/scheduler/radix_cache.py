@@ -186,22 +186,19 @@ class RadixCache:
         must free the ones it does not share with the tree."""
         return self.insert_node(ids, slots)[0]
 
-    def insert_node(self, ids: list[int], slots: list[int], n: Optional[int] = None,
-                    at: Optional[tuple[Node, int]] = None) -> tuple[int, Node]:
-        """insert() of ids[:n] (n: as much as both lists hold), and the node where ids[:n]
-        ends: the one match_prefix(ids[:n]) would return right after (insert splits nodes
-        where the match ends). at=(node, i): node is in the tree and its path spells
-        ids[:i] (a request's locked prefix); the walk starts there, touching that path
-        as a walk from the root would, without comparing i tokens again."""
+    def insert_node(self, ids: list[int], slots: list[int], under: Optional[Node] = None) -> tuple[int, Node]:
+        """insert(), and the node where ids[:n] ends: the one match_prefix(ids[:n])
+        would return right after (insert splits nodes where the match ends). under: a
+        node in the tree (a request's locked prefix) that ids and slots continue; its
+        path is touched as a walk from the root would, without comparing it again."""
         p = self.page_size
-        n = min(len(ids), len(slots)) if n is None else n
+        n = min(len(ids), len(slots))
         n -= n % p
         node = self.root
         i = 0
         t = self._tick()
-        if at is not None and at[1] <= n:
-            node, i = at
-            up = node
+        if under is not None:
+            node = up = under
             while up is not self.root:
                 up.last_access = t
                 up = up.parent
