@@ -48,11 +48,13 @@ class Track:
         self.state = state
         self.since = t
 
-    def close(self) -> RequestRecord:
+    def close(self, lists: bool = True) -> RequestRecord:
         """The finished (or abandoned) request's record, filled in; the track lets go
-        of the request and its token times, so only the record outlives it."""
+        of the request and its token times, so only the record outlives it. lists=False:
+        token_times is a numpy array (for the streamed statistics alone: no float object
+        per token)."""
         rec = self.rec
-        rec.token_times = self.token_times()
+        rec.token_times = self.token_times() if lists else self.token_time_array()
         rec.output_tokens = self.ntok
         if self.req is not None:
             rec.cached_tokens = self.req.num_cached
@@ -63,6 +65,12 @@ class Track:
         self.req = None
         self.pieces = []
         return rec
+
+    def token_time_array(self) -> np.ndarray:
+        ps = self.pieces
+        if not ps:
+            return np.empty(0)
+        return np.concatenate([[p] if isinstance(p, float) else p for p in ps])
 
     def token_times(self) -> list[float]:
         out: list[float] = []

@@ -270,7 +270,7 @@ class Simulator:
             if rr is not None:
                 rr.now = tr.rec.finish
                 policy.on_finish(rr, st, tr.ntok)
-        self._emit(tr.close())
+        self._emit(tr.close(lists=self._lists))
 
     def _emit(self, rec: RequestRecord) -> None:
         self.stats.add(rec)
@@ -308,6 +308,7 @@ class Simulator:
         self.finished = 0
         self.stats = RecordStats(seed=cfg.seed)
         self._on_record = on_record
+        self._lists = cfg.keep_records or on_record is not None    # else token times go to the stats alone
         bounds = HitRateBounds(self.kv_capacity * cfg.replicas, cfg.block_size) if cfg.cache_bounds else None
         records: list[RequestRecord] = []
         prog = _Progress(total, cfg.progress)
@@ -329,7 +330,7 @@ class Simulator:
         prog.close(n, max((r.clock for r in self.replicas), default=0.0))
         for rep in self.replicas:
             for track in list(rep.tracks.values()):    # never finished (e.g. stuck without memory)
-                self._emit(track.close())
+                self._emit(track.close(lists=self._lists))
         return self._result(records, bounds, time.perf_counter() - wall0)
 
     def _arrive(self, tr: TraceRequest, i: int) -> RequestRecord:
