@@ -69,3 +69,47 @@ def test_page_aligned_matching():
     hit, _ = t.match_prefix(list(range(10, 16)) + [0, 0])
     assert len(hit) == 4
     t.check()
+
+
+def _shape(t):
+    """Every node as (path tokens, last_access, lock_ref), and the evictable count."""
+    out = []
+    stack = [(t.root, ())]
+    while stack:
+        nd, path = stack.pop()
+        for ch in nd.children.values():
+            p = path + tuple(ch.key)
+            out.append((p, ch.last_access, ch.lock_ref))
+            stack.append((ch, p))
+    return sorted(out), t.evictable_size
+
+
+def test_insert_under_a_locked_node_is_an_insert_from_the_root():
+    """insert_node(under=node) skips comparing node's path again; it must leave the
+    same tree (splits, touches, sizes) and the same eviction order as a root walk."""
+    trees = []
+    for under in (False, True):
+        pool = KVPool(64)
+        t = RadixCache(pool)
+        _ins(t, pool, [1, 2, 3, 4, 5, 6])
+        _ins(t, pool, [1, 2, 9])
+        slots, node = t.match_prefix([1, 2, 3, 4, 7], n=4)       # splits [3, 4, 5, 6] after 4
+        t.inc_lock_ref(node)
+        own = pool.alloc(3)
+        seq, all_slots = [1, 2, 3, 4, 8, 8, 8], slots + own
+        if under:
+            existing, end = t.insert_node(seq[4:], all_slots[4:], under=node)
+            existing += 4
+        else:
+            existing, end = t.insert_node(seq, all_slots)
+        assert existing == 4 and t.match_prefix(seq, touch=False)[1] is end
+        t.check()
+        t.dec_lock_ref(node)
+        shape = _shape(t)
+        order = []
+        while t.evictable_size:
+            before = _shape(t)[0]
+            t.evict(1)
+            order.append(sorted(set(before) - set(_shape(t)[0])))
+        trees.append((shape, order))
+    assert trees[0] == trees[1]

@@ -247,3 +247,37 @@ def test_quiet_replicas_skipped_by_count_routers_give_the_same_records(router):
     b = run(tr, replicas=4, router=router, skip_quiet=False)
     assert [key(r) for r in a.records] == [key(r) for r in b.records]
     assert a.routing == b.routing
+
+
+def test_chunk_token_blocks_equal_per_request_blocks():
+    """The fast path's one-pass tokens for a chunk are each request's own token_block."""
+    from shepherd.request import Request, SamplingParams
+    from shepherd.sim.replica import _TokenMixin
+
+    class Exe(_TokenMixin):
+        eos_token_id, vocab_size = 2, 128256
+
+        def __init__(self):
+            self.lens = {}
+
+        def target_len(self, req):
+            return self.lens.get(req.req_id)
+
+    exe = Exe()
+    reqs = [Request(req_id=f"r{i}", prompt_ids=[5 + 977 * i, 128000 - i], params=SamplingParams(max_tokens=99),
+                    output_ids=[7] * i) for i in range(5)]
+    exe.lens = {"r0": 41, "r3": 10_000}          # r0 samples EOS at its 41st token
+    for k in (38, 41, 200):
+        assert exe.token_blocks(reqs, k) == {r.req_id: exe.token_block(r, k) for r in reqs}
+    assert exe.token_blocks(reqs, 41)["r0"][-1] == 2 and 2 not in exe.token_blocks(reqs, 38)["r0"]
+
+
+def test_run_leaves_the_process_gc_threshold_as_it_found_it():
+    import gc
+    old = gc.get_threshold()
+    try:
+        gc.set_threshold(123, 4, 5)
+        run(synth(), replicas=2)
+        assert gc.get_threshold() == (123, 4, 5)
+    finally:
+        gc.set_threshold(*old)

@@ -16,7 +16,6 @@ run outgrows them.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from array import array
@@ -38,17 +37,17 @@ PENDING_RECORDS = 256      # token times are binned and pooled this many records
 def tpot_of(r: RequestRecord) -> Optional[float]:
     if r.output_tokens < 2 or r.first_token is None:
         return None
-    last = r.token_times[-1] if r.token_times else r.finish
+    last = float(r.token_times[-1]) if len(r.token_times) else r.finish
     if last is None:
         return None
-    n = len(r.token_times) if r.token_times else r.output_tokens
+    n = len(r.token_times) or r.output_tokens
     if n < 2:
         return None
     return (last - r.first_token) / (n - 1)
 
 
 def service_of(r: RequestRecord, input_weight: float = INPUT_WEIGHT, output_weight: float = OUTPUT_WEIGHT) -> float:
-    served_out = len(r.token_times) if r.token_times else (r.output_tokens if r.first_token is not None else 0)
+    served_out = len(r.token_times) or (r.output_tokens if r.first_token is not None else 0)
     served_in = r.prompt_tokens if r.first_token is not None else 0
     return input_weight * served_in + output_weight * served_out
 
@@ -162,7 +161,7 @@ class RecordStats:
         c.preemptions += r.preemptions
         self.preemptions += r.preemptions
         self.start = min(self.start, r.arrival)
-        for t in (r.finish, r.token_times[-1] if r.token_times else None):
+        for t in (r.finish, float(r.token_times[-1]) if len(r.token_times) else None):
             if t is not None and t > self.end:
                 self.end = t
         svc = service_of(r)
@@ -175,7 +174,7 @@ class RecordStats:
         elif r.finish is not None:
             self._add_done(r, c)
             done = True
-        if r.token_times:
+        if len(r.token_times):
             self._tok_pending.append((r.token_times, r.client, done))
             if len(self._tok_pending) >= PENDING_RECORDS:
                 self._flush_tokens()
@@ -190,7 +189,7 @@ class RecordStats:
             return
         self._tok_pending = []
         sizes = np.fromiter((len(p[0]) for p in pend), dtype=np.int64, count=len(pend))
-        tt = np.fromiter(itertools.chain.from_iterable(p[0] for p in pend), dtype=np.float64, count=int(sizes.sum()))
+        tt = np.concatenate([p[0] for p in pend]).astype(np.float64, copy=False)
         b = self._bins
         b.add("tokens", tt)
         ends = np.cumsum(sizes)

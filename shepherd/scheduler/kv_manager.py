@@ -168,9 +168,7 @@ class KVManager:
             n = min(req.num_computed, len(slots))
             n -= n % self.page_size
             if n > e.cached_len:
-                pr = req.prompt_ids     # the first n of all_ids, without building all of it
-                ids = pr[:n] if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
-                existing = self.tree.insert(ids, slots)     # len(ids) == n: inserts n
+                existing = self._insert_rest(e, n)[0]
                 if existing > e.cached_len:
                     pool.free(pool.pages_of(slots, e.cached_len, existing))
                 pool.free(pool.pages_of(slots, n))
@@ -184,6 +182,19 @@ class KVManager:
         e.cached_len = 0
         req.slots = []
 
+    def _insert_rest(self, e: Entry, n: int):
+        """Insert positions cached_len..n-1 of e's sequence under the node that holds its
+        cached prefix (the root when none): the prefix is neither compared nor copied
+        again. Returns (how many of positions 0..n-1 the tree already held, the node
+        where position n-1 ends)."""
+        req = e.req
+        c = e.cached_len
+        assert e.node is not None or c == 0
+        pr = req.prompt_ids
+        ids = pr[c:n] if n <= len(pr) else pr[c:] + req.output_ids[max(0, c - len(pr)):n - len(pr)]
+        existing, node = self.tree.insert_node(ids, req.slots[c:n], under=e.node)
+        return c + existing, node
+
     def cache_prefilled(self, e: Entry) -> None:
         """SGLang's cache_unfinished_req: once a prompt is computed, put it in the
         prefix cache right away (not only when the request ends), so that requests
@@ -196,11 +207,11 @@ class KVManager:
         if self.tree is None or n <= e.cached_len:
             return
         tree = self.tree
-        pr = req.prompt_ids
-        ids = pr[:n] if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
-        existing, node = tree.insert_node(ids, req.slots)     # len(ids) == n: inserts n
+        existing, node = self._insert_rest(e, n)
         if existing > e.cached_len:
-            slots, node = tree.match_prefix(ids, touch=False)   # the tree's slots for the shared part
+            pr = req.prompt_ids
+            ids = pr if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
+            slots, node = tree.match_prefix(ids, touch=False, n=n)   # the tree's slots for the shared part
             assert len(slots) == n
             self.pool.free(self.pool.pages_of(req.slots, e.cached_len, existing))
             req.slots[e.cached_len:existing] = slots[e.cached_len:existing]
@@ -243,7 +254,7 @@ class KVManager:
             for e, new_page in zip(running, need):
                 sl = e.req.slots
                 if new_page:
-                    sl.append(next(it) * p)
+                    sl.append(next(it) * p if p > 1 else next(it))   # the pool's own int, not a copy
                 elif len(sl) <= e.req.num_computed:
                     sl.append(sl[-1] + 1)
             return

@@ -13,6 +13,18 @@ The free list is a stack: `alloc(n)` returns exactly the pages that n calls of
 from __future__ import annotations
 
 
+_PAGE_IDS: list[int] = []
+
+
+def _page_ids(lo: int, hi: int) -> list[int]:
+    """Page numbers lo..hi-1 as int objects shared by every pool of the process: the
+    simulator's replicas then hold one set of slot ints between them, not one each,
+    and list copies of slot lists touch a few MB instead of a hundred."""
+    if hi > len(_PAGE_IDS):
+        _PAGE_IDS.extend(range(len(_PAGE_IDS), hi))
+    return _PAGE_IDS[lo:hi]
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold `tokens` slots: the one page rounding, reused everywhere."""
     return -(-tokens // page_size)
@@ -60,7 +72,7 @@ class KVPool:
         out = free[::-1]
         free.clear()
         hw = self._hw
-        out.extend(range(hw, hw + n - k))
+        out.extend(_page_ids(hw, hw + n - k))
         self._hw = hw + n - k
         return out
 

@@ -40,7 +40,8 @@ def _common_len(key: list[int], ids: list[int], start: int) -> int:
     n = min(len(key), len(ids) - start)
     if n <= 0:
         return 0
-    if key[:n] == ids[start:start + n]:
+    # a slice is a copy: a key that ends inside ids is compared whole, uncopied
+    if (key if n == len(key) else key[:n]) == ids[start:start + n]:
         return n
     lo, hi = 0, n  # key[:lo] matches, key[:hi] does not
     while hi - lo > 1:
@@ -185,15 +186,23 @@ class RadixCache:
         must free the ones it does not share with the tree."""
         return self.insert_node(ids, slots)[0]
 
-    def insert_node(self, ids: list[int], slots: list[int]) -> tuple[int, Node]:
+    def insert_node(self, ids: list[int], slots: list[int], under: Optional[Node] = None) -> tuple[int, Node]:
         """insert(), and the node where ids[:n] ends: the one match_prefix(ids[:n])
-        would return right after (insert splits nodes where the match ends)."""
+        would return right after (insert splits nodes where the match ends). under: a
+        node in the tree (a request's locked prefix) that ids and slots continue; its
+        path is touched as a walk from the root would, without comparing it again."""
         p = self.page_size
         n = min(len(ids), len(slots))
         n -= n % p
         node = self.root
         i = 0
         t = self._tick()
+        if under is not None:
+            node = up = under
+            while up is not self.root:
+                up.last_access = t
+                up = up.parent
+            self._push(node)      # pushes only a leaf, as _enter would
         while i < n:
             child, m = self._next(node, ids, i, n)
             if m == 0:

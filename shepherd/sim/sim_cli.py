@@ -203,7 +203,7 @@ def main(args) -> int:
     t0 = time.perf_counter()
     try:
         with RecordWriter(out / "records.jsonl" if args.records else None) as writer:
-            result = sim.run(workload, total=total, on_record=writer.write)
+            result = sim.run(workload, total=total, on_record=writer.write if args.records else None)
     except (TraceFormatError, ValueError, FileNotFoundError) as e:
         print(f"shepherd simulate: {e}", file=sys.stderr)
         return 2
