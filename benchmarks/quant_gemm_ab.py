@@ -2,7 +2,8 @@
 """The 120 layer GEMMs of a SmolLM2-135M step (QKV, O, gate-up, down x 30; random weights of
 the model's shapes), per weight format, interleaved runs, median of 5:
 
-  bf16      oneDNN prepacked (llama.Linear)
+  bf16      llama.Linear: shepherd's bf16_mm where the CPU has AVX512-BF16, else oneDNN
+  oneDNN    oneDNN prepacked bf16 (what llama.Linear ran before bf16_mm)
   w8a8      row quantisation + torch._int_mm + scaling (quant.QLinear, fused kernels)
   int4      torch's _weight_int4pack_mm_for_cpu (bf16 activations)
   w4a8      shepherd's VNNI kernel (int4 weights x per-group int8 activations), where built
@@ -36,13 +37,16 @@ def main() -> None:
     k = kernels.Kernels(lib, torch.bfloat16) if lib is not None else None
     owner = type("Owner", (), dict(kernels=k, batch_invariant=False, min_rows=1, use_mkldnn=True,
                                    device=torch.device("cpu")))()
-    fmts = {"bf16": [], "w8a8": [], "int4": []}
+    dnn = type("Owner", (), dict(kernels=None, batch_invariant=False, min_rows=1, use_mkldnn=True,
+                                 device=torch.device("cpu")))()
+    fmts = {"bf16": [], "oneDNN": [], "w8a8": [], "int4": []}
     if k is not None and k.w4a8:
         fmts["w4a8"] = []
     for _ in range(30):
         for N, K in SHAPES:
             w = torch.randn(N, K) * 0.05
             fmts["bf16"].append(Linear(w.bfloat16(), None, owner))
+            fmts["oneDNN"].append(Linear(w.bfloat16(), None, dnn))
             fmts["w8a8"].append(quant.QLinear(quant.quantize_int8(w, "w8a8"), None, owner, torch.bfloat16))
             q4 = quant.quantize_int4(w)
             fmts["int4"].append(quant.QLinear(q4, None, type("O", (), dict(kernels=None))(), torch.bfloat16))
