@@ -8,6 +8,9 @@ the model's shapes), per weight format, interleaved runs, median of 5:
   int4      torch's _weight_int4pack_mm_for_cpu (bf16 activations)
   w4a8      shepherd's VNNI kernel (int4 weights x per-group int8 activations), where built
 
+Then the LM head (49,152 x 576) alone, logits in float32: bf16 (bf16_mm), oneDNN, int8 with
+torch's _weight_int8pack_mm, int8 with shepherd's w8_mm.
+
 In-process figures that explain the step-time table (docs/MODEL.md); they are not serving speed.
 
     python benchmarks/quant_gemm_ab.py [--threads 1] [--rows 1,4,64]
@@ -52,9 +55,20 @@ def main() -> None:
             fmts["int4"].append(quant.QLinear(q4, None, type("O", (), dict(kernels=None))(), torch.bfloat16))
             if "w4a8" in fmts:
                 fmts["w4a8"].append(quant.QLinear(q4, None, owner, torch.bfloat16))
-    print(f"| rows | {' | '.join(fmts)} |  (ms for the 120 GEMMs, {a.threads} thread(s), median of 5)")
+    table(fmts, a.rows, "the 120 GEMMs", lambda lin, x: lin.raw(x[lin.in_features]), a.threads)
+    head = torch.randn(49152, 576) * 0.05
+    q8 = quant.quantize_int8(head)
+    heads = {"bf16": [Linear(head.bfloat16(), None, owner)], "oneDNN": [Linear(head.bfloat16(), None, dnn)],
+             "int8 (torch)": [quant.QLinear(q8, None, dnn, torch.bfloat16)]}
+    if k is not None and k.w8:
+        heads["int8 (w8_mm)"] = [quant.QLinear(q8, None, owner, torch.bfloat16)]
+    table(heads, a.rows, "the LM head", lambda lin, x: lin.logits(x[576]), a.threads)
+
+
+def table(fmts: dict, rows: str, what: str, call, threads: int) -> None:
+    print(f"\n| rows | {' | '.join(fmts)} |  (ms for {what}, {threads} thread(s), median of 5)")
     print("|---|" + "---|" * len(fmts))
-    for M in map(int, a.rows.split(",")):
+    for M in map(int, rows.split(",")):
         xs = {K: torch.randn(M, K).bfloat16() for K in (576, 1536)}
         times = {f: [] for f in fmts}
         with torch.inference_mode():
@@ -62,11 +76,10 @@ def main() -> None:
                 for f, lins in fmts.items():     # interleaved: each format sees the same machine state
                     t0 = time.perf_counter()
                     for lin in lins:
-                        lin.raw(xs[lin.in_features])
+                        call(lin, xs)
                     if rep:
                         times[f].append((time.perf_counter() - t0) * 1e3)
-        print(f"| {M} | " + " | ".join(f"{statistics.median(v):.1f}" for v in times.values()) + " |")
-
+        print(f"| {M} | " + " | ".join(f"{statistics.median(v):.2f}" for v in times.values()) + " |")
 
 if __name__ == "__main__":
     main()

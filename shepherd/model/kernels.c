@@ -493,25 +493,14 @@ void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int6
             const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
             const uint16_t *xb = x + r0 * K;
             __m512 acc[4][4];
-            /* literal R and C so each case compiles to straight-line register code */
-            if (C == 4) {
-                switch (R) {
+            /* literal R and C so each full block compiles to straight-line register code; the
+             * last tiles of an N that is not a multiple of 64 take the generic loop (same sums) */
+            if (C < 4) bf16_block(xb, K, R, wt, C, acc);
+            else switch (R) {
                 case 4: bf16_block(xb, K, 4, wt, 4, acc); break;
                 case 3: bf16_block(xb, K, 3, wt, 4, acc); break;
                 case 2: bf16_block(xb, K, 2, wt, 4, acc); break;
                 default: bf16_block(xb, K, 1, wt, 4, acc); break;
-                }
-            } else {
-                for (int c = 0; c < C; c++) {
-                    __m512 a1[4][4];
-                    switch (R) {
-                    case 4: bf16_block(xb, K, 4, wt + c * 16 * K, 1, a1); break;
-                    case 3: bf16_block(xb, K, 3, wt + c * 16 * K, 1, a1); break;
-                    case 2: bf16_block(xb, K, 2, wt + c * 16 * K, 1, a1); break;
-                    default: bf16_block(xb, K, 1, wt + c * 16 * K, 1, a1); break;
-                    }
-                    for (int r = 0; r < R; r++) acc[r][c] = a1[r][0];
-                }
             }
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < C; c++)

@@ -235,7 +235,7 @@ class Kernels:
         N, K = q.shape
         return q.contiguous().view(N // 64, 64, K).transpose(1, 2).contiguous()
 
-    def w8_mm(self, x, packed, scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    def w8_mm(self, x, packed, scale, out_dtype=torch.bfloat16) -> torch.Tensor:
         """x [M, K] bf16 @ int8 weights packed by pack_w8, times float32 row scales -> [M, N]."""
         rows, K = x.shape
         N = scale.shape[0]
@@ -243,4 +243,4 @@ class Kernels:
         if rows:
             self._lib.w8_mm_bf16(x.data_ptr(), rows, K, packed.data_ptr(), scale.data_ptr(), N, y.data_ptr(),
                                  int(out_dtype == torch.float32))
-        return y if bias is None else y + bias
+        return y

@@ -5,7 +5,7 @@ dequantise-then-bf16).
   * w8a8: the same int8 weights, and each activation row quantised to int8 with its own scale
     at run time (dynamic, per token) -> `torch._int_mm` (int8 x int8 -> int32, VNNI on x86),
     then y = acc * s_row * s_col. Integer sums are exact, so any kernel or batch size gives a
-    row the same bits: batch invariance needs no padding here. 3x the bf16 GEMMs at 64 rows
+    row the same bits: batch invariance needs no padding here. 3-3.7x the bf16 GEMMs at 64 rows
     on an AVX-512 VNNI CPU without AMX (benchmarks/quant_gemm_ab.py, docs/MODEL.md).
   * int4: asymmetric, groups of 32 along K (GGUF's block size), w = (q - 8) * scale + zero
     -> `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`.
@@ -135,16 +135,17 @@ class QLinear:
         self.owner = owner
         self.out_features, self.in_features = w.shape
         dev = getattr(owner, "device", torch.device("cpu"))
+        k = getattr(owner, "kernels", None)
+        self.w8 = self.w4 = None       # shepherd's int8 / int4 kernels, where built
         if w.kind == "w8a8":
             if dev.type != "cpu":
                 raise ValueError("w8a8 runs on CPU only (torch._int_mm's CUDA kernel has other shape rules)")
             self.qt = w.q.contiguous().t()       # [K, N] view of the [N, K] rows: _int_mm's fast layout
             self.scale = w.scale.float().contiguous()
         elif w.kind == "int8":
-            k = getattr(owner, "kernels", None)
-            self.w8 = None
             if k is not None and k.w8 and self.out_features % 64 == 0:
-                # shepherd's kernel (kernels.c: w8_mm): 1.5x torch's at 1 row, row-invariant for any M
+                # shepherd's kernel (kernels.c: w8_mm): row-invariant for any M, and faster than torch's
+                # (benchmarks/quant_gemm_ab.py, the LM head table)
                 self.w8 = (k.pack_w8(w.q), w.scale.float().contiguous())
             else:
                 self.q = w.q.contiguous().to(dev)
@@ -152,19 +153,18 @@ class QLinear:
         else:
             if dev.type != "cpu":
                 raise ValueError("int4 weights run on CPU only (torch's CUDA int4 kernel needs another packing)")
-            k = getattr(owner, "kernels", None)
-            self.w4 = None
             if k is not None and k.w4a8 and self.out_features % 16 == 0 and self.in_features % GROUP == 0:
                 self.w4 = pack_w4a8(w)       # int8 activations on VNNI (kernels.c: w4a8_mm)
             else:
                 self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 1)
                 self.sz = torch.stack([w.scale, w.zero], -1).transpose(0, 1).contiguous().to(dtype)
 
-    def raw(self, x: torch.Tensor) -> torch.Tensor:
+    def raw(self, x: torch.Tensor, out_dtype=None) -> torch.Tensor:
+        """out_dtype float32 (the LM head): only w8a8 and w8_mm take it from their sums directly."""
         if self.kind == "w8a8":
-            return self._w8a8(x)
-        if self.kind == "int8" and self.w8 is not None:
-            y = self.owner.kernels.w8_mm(x.contiguous(), *self.w8)
+            return self._w8a8(x, out_dtype)
+        if self.w8 is not None:
+            y = self.owner.kernels.w8_mm(x.contiguous(), *self.w8, out_dtype or x.dtype)
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         elif self.w4 is not None:
@@ -185,11 +185,9 @@ class QLinear:
         return dequant(acc, sx, self.scale, self.b, out_dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 output (the LM head): w8a8 scales its int32 sums straight to float32."""
-        if self.kind == "w8a8":
-            return self._w8a8(x, torch.float32)
-        if self.kind == "int8" and self.w8 is not None:
-            return self.owner.kernels.w8_mm(x.contiguous(), *self.w8, self.b, torch.float32)
+        """float32 output (the LM head), straight from the sums where the kernel can."""
+        if self.kind == "w8a8" or self.w8 is not None:
+            return self.raw(x, torch.float32)
         return self(x).float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

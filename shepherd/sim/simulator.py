@@ -64,11 +64,11 @@ from shepherd.sim.cache_bounds import HitRateBounds
 from shepherd.sim.cost_model import CostModel, RooflineCostModel, make_cost_model
 from shepherd.sim.replica import Replica, Track
 
+GC_YOUNG_THRESHOLD = 20_000     # see Simulator.run
+
 # Policies whose choice reads no replica state, so routing can happen ahead of the
 # replicas catching up to the arrival time. session-affinity is not among them:
 # its fallback for requests without a session reads load.
-GC_YOUNG_THRESHOLD = 20_000     # see Simulator.run
-
 LAZY_POLICIES = {"round-robin", "roundrobin", "rr", "random"}
 # Policies that read replica counts (running, waiting, in flight) but not KV use: a
 # replica is advanced only until its counts cannot change before an arrival
