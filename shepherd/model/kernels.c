@@ -436,41 +436,48 @@ void w4a8_mm_bf16(const int8_t *xq, const float *dx, const float *sx, int64_t ro
 #endif
 
 /* ---------------------------------------------------------------- bf16 GEMM (bf16_mm)
- * y = x W^T (+ b) for bf16 x [rows, K] and W [N, K] on AVX512-BF16 (vdpbf16ps), written for
- * the decode step's small M, where oneDNN's per-call cost and its M-dependent paths dominate.
- * Each output element is one float32 accumulator folded over k-pairs 0, 1, .., K/2-1 in order,
- * whatever the number of rows or how rows and columns are blocked: batch-invariant for any M,
- * so no padding rows are needed.
+ * y = x W^T (+ b) for bf16 x [rows, K] and W [N, K], written for the decode step's small M,
+ * where oneDNN's per-call cost and its M-dependent paths dominate. Float32 FMAs on weights
+ * widened in registers, not vdpbf16ps: on this machine's cores vdpbf16ps (32 MACs) issues about
+ * every other cycle while two 16-lane FMAs issue every cycle, so at 64 rows, where the GEMM is
+ * compute-bound, the FMA form does twice the MACs per cycle; at one row both are memory-bound.
+ * Each output element is one float32 FMA chain over k = 0, 1, .., K-1 in order, whatever the
+ * number of rows or how rows and columns are blocked: batch-invariant for any M, so no padding
+ * rows are needed; the products bf16 x bf16 are exact, so the chain rounds once per k.
  *
  * Packed weights, tile t = output rows 16t..16t+15, k-pair major: element (kp, lane, j) at
  * w[t * 16K + 32 kp + 2 lane + j] = W[16t + lane][2 kp + j]. A tile is one contiguous stream. */
 int has_bf16_mm(void) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     return 1;
 #else
     return 0;
 #endif
 }
 
-#if defined(__AVX512BF16__)
-/* R rows x C tiles of accumulators over all k-pairs (R, C compile-time after inlining). */
-static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, int64_t K, int R,
-                                                             const uint16_t *w, int C, __m512 acc[4][4]) {
+#if defined(__AVX512F__)
+#define BF_ROWS 5   /* 5 rows x 4 tiles = 20 accumulators, beside 8 widened weights and 2 broadcasts */
+/* R rows x C tiles of accumulators over all k (R, C compile-time after inlining). A packed dword
+ * holds (W[n][2kp], W[n][2kp+1]): the even weight is the dword shifted up, the odd one its high
+ * half, both exact float32. */
+static inline __attribute__((always_inline)) void bf16_block(const float *x, int64_t K, int R,
+                                                             const uint16_t *w, int C, __m512 acc[BF_ROWS][4]) {
     const int64_t KP = K / 2;
-    const uint32_t *xr[4];
-    for (int r = 0; r < R; r++) xr[r] = (const uint32_t *)(x + r * K);
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < KP; kp++) {
-        __m512bh wv[4];
+        __m512 we[4], wo[4];
         for (int c = 0; c < C; c++) {
             const uint16_t *p = w + c * 16 * K + 32 * kp;
             _mm_prefetch((const char *)(p + 32 * 16), _MM_HINT_T0);
-            wv[c] = (__m512bh)_mm512_loadu_si512(p);
+            __m512i v = _mm512_loadu_si512(p);
+            we[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            wo[c] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
         }
         for (int r = 0; r < R; r++) {
-            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][kp]);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+            const __m512 xe = _mm512_set1_ps(x[r * K + 2 * kp]), xo = _mm512_set1_ps(x[r * K + 2 * kp + 1]);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xo, wo[c], _mm512_fmadd_ps(xe, we[c], acc[r][c]));
         }
     }
 }
@@ -483,37 +490,43 @@ static inline void bf16_store(__m512 v, const uint16_t *bias, void *y, int64_t o
 
 void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
              const uint16_t *bias, void *y, int out_f32) {
-    const int64_t NT = N / 16, NU = (NT + 3) / 4;
-    #pragma omp parallel for schedule(static) if(NT > 1)
-    for (int64_t u = 0; u < NU; u++) {
-        const int64_t t0 = 4 * u;
+    const int64_t NT = N / 16, NU = (NT + 3) / 4, RB = (rows + BF_ROWS - 1) / BF_ROWS;
+    float *xf = malloc(sizeof(float) * rows * K);
+    int64_t i = 0;
+    for (; i + 16 <= rows * K; i += 16) _mm512_storeu_ps(xf + i, v_bf2f(x + i));
+    for (; i < rows * K; i++) xf[i] = bf2f(x[i]);
+    /* one item per (4-tile unit, row block), unit-major: a thread's contiguous share re-reads
+     * a unit's weights from its own cache across row blocks, and 9 units still split evenly */
+    #pragma omp parallel for schedule(static) if(NU * RB > 1)
+    for (int64_t it = 0; it < NU * RB; it++) {
+        const int64_t t0 = 4 * (it / RB), r0 = BF_ROWS * (it % RB);
         const int C = NT - t0 < 4 ? (int)(NT - t0) : 4;
+        const int R = rows - r0 < BF_ROWS ? (int)(rows - r0) : BF_ROWS;
         const uint16_t *wt = w + t0 * 16 * K;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
-            const uint16_t *xb = x + r0 * K;
-            __m512 acc[4][4];
-            /* literal R and C so each full block compiles to straight-line register code; the
-             * last tiles of an N that is not a multiple of 64 take the generic loop (same sums) */
-            if (C < 4) bf16_block(xb, K, R, wt, C, acc);
-            else switch (R) {
-                case 4: bf16_block(xb, K, 4, wt, 4, acc); break;
-                case 3: bf16_block(xb, K, 3, wt, 4, acc); break;
-                case 2: bf16_block(xb, K, 2, wt, 4, acc); break;
-                default: bf16_block(xb, K, 1, wt, 4, acc); break;
-            }
-            for (int r = 0; r < R; r++)
-                for (int c = 0; c < C; c++)
-                    bf16_store(acc[r][c], bias ? bias + 16 * (t0 + c) : NULL, y, (r0 + r) * N + 16 * (t0 + c), out_f32);
+        const float *xb = xf + r0 * K;
+        __m512 acc[BF_ROWS][4];
+        /* literal R and C so each full block compiles to straight-line register code; the
+         * last tiles of an N that is not a multiple of 64 take the generic loop (same sums) */
+        if (C < 4) bf16_block(xb, K, R, wt, C, acc);
+        else switch (R) {
+            case 5: bf16_block(xb, K, 5, wt, 4, acc); break;
+            case 4: bf16_block(xb, K, 4, wt, 4, acc); break;
+            case 3: bf16_block(xb, K, 3, wt, 4, acc); break;
+            case 2: bf16_block(xb, K, 2, wt, 4, acc); break;
+            default: bf16_block(xb, K, 1, wt, 4, acc); break;
         }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++)
+                bf16_store(acc[r][c], bias ? bias + 16 * (t0 + c) : NULL, y, (r0 + r) * N + 16 * (t0 + c), out_f32);
     }
+    free(xf);
 }
 #endif
 
 /* ---------------------------------------------------------------- int8 weights x bf16 activations
  * (w8_mm: the LM head of int4/int8 models). y[r][n] = s[n] * sum_k x[r][k] q[n][k], the sum one
  * float32 FMA chain over k = 0..K-1 in order (batch-invariant for any M), the activations exact
- * (bf16 -> fp32). Each int8 weight is widened once per block of up to 4 rows.
+ * (bf16 -> fp32). Each int8 weight is widened once per block of up to 6 rows.
  * Packed weights, 64 output rows (a unit) per k-major run: w[u * 64K + 64 k + lane] = q[64u + lane][k]. */
 int has_w8_mm(void) {
 #ifdef __AVX512F__
@@ -524,17 +537,17 @@ int has_w8_mm(void) {
 }
 
 #ifdef __AVX512F__
+#define W8_ROWS 6   /* 6 rows x 4 = 24 accumulators beside 4 widened weights and a broadcast */
 static inline __attribute__((always_inline)) void w8_block(const float *x, int64_t K, int R,
-                                                           const int8_t *w, __m512 acc[4][4]) {
+                                                           const int8_t *w, __m512 acc[W8_ROWS][4]) {
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const int8_t *p = w + 64 * k;
         _mm_prefetch((const char *)(p + 64 * 16), _MM_HINT_T0);
-        __m512i v = _mm512_loadu_si512(p);
-        __m512 wf[4];
+        __m512 wf[4];   /* widened straight from memory: no lane extracts on the shuffle port */
         for (int c = 0; c < 4; c++)
-            wf[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, c)));
+            wf[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * c))));
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_set1_ps(x[r * K + k]);
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wf[c], acc[r][c]);
@@ -549,10 +562,12 @@ void w8_mm_bf16(const uint16_t *x, int64_t rows, int64_t K, const int8_t *w, con
     for (int64_t i = 0; i < rows * K; i++) xf[i] = bf2f(x[i]);
     #pragma omp parallel for schedule(static)
     for (int64_t u = 0; u < NU; u++) {
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
-            __m512 acc[4][4];
+        for (int64_t r0 = 0; r0 < rows; r0 += W8_ROWS) {
+            const int R = rows - r0 < W8_ROWS ? (int)(rows - r0) : W8_ROWS;
+            __m512 acc[W8_ROWS][4];
             switch (R) {   /* literal R: straight-line register code per case */
+            case 6: w8_block(xf + r0 * K, K, 6, w + u * 64 * K, acc); break;
+            case 5: w8_block(xf + r0 * K, K, 5, w + u * 64 * K, acc); break;
             case 4: w8_block(xf + r0 * K, K, 4, w + u * 64 * K, acc); break;
             case 3: w8_block(xf + r0 * K, K, 3, w + u * 64 * K, acc); break;
             case 2: w8_block(xf + r0 * K, K, 2, w + u * 64 * K, acc); break;

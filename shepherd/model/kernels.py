@@ -154,7 +154,7 @@ class Kernels:
         self._quant = getattr(lib, f"quant_rows_{suf}")
         self._dequant = {dtype: getattr(lib, f"dequant_{suf}"), torch.float32: lib.dequant_f32}
         self.w4a8 = dtype == torch.bfloat16 and bool(lib.has_w4a8())   # int4 x int8 on VNNI
-        self.bf16_mm = dtype == torch.bfloat16 and bool(lib.has_bf16_mm())   # vdpbf16ps GEMM
+        self.bf16_mm = dtype == torch.bfloat16 and bool(lib.has_bf16_mm())   # bf16 weights, fp32 FMAs
         self.w8 = dtype == torch.bfloat16 and bool(lib.has_w8_mm())          # int8 weights x bf16
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:

@@ -118,8 +118,8 @@ class Linear:
         k = owner.kernels
         if (k is not None and k.bf16_mm and w.dtype == torch.bfloat16 and w.device.type == "cpu"
                 and self.out_features % 16 == 0 and self.in_features % 2 == 0):
-            # shepherd's vdpbf16ps GEMM: row-invariant for any M (no padding rows), and at decode
-            # sizes 1.6x oneDNN here (1 row, 2 threads; benchmarks/quant_gemm_ab.py)
+            # shepherd's bf16 GEMM: row-invariant for any M (no padding rows), and faster than
+            # oneDNN at decode sizes here (benchmarks/quant_gemm_ab.py; docs/MODEL.md)
             self.tiles = k.pack_bf16(self.w)
             self.w = None
         elif owner.use_mkldnn:
