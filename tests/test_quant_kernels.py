@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from shepherd.model import quant
+from shepherd.model import kernels, quant
 
 
 def _gguf_tensor(path, name):
@@ -233,11 +233,19 @@ def _kernel_owner():
 def test_bf16_gemm_kernel_matches_float_matmul_and_is_row_invariant():
     """The bf16 GEMM behind llama.Linear: within float32-accumulation error of x @ W^T (+ b),
     float32 logits straight from the accumulators, and a row's bits the same alone or among many
-    rows (so the batch-invariant mode needs no padding rows with it)."""
-    from shepherd.model.llama import Linear
+    rows (so the batch-invariant mode needs no padding rows with it). Both forms of its inner
+    block (float32 FMAs; vdpbf16ps where the CPU has it)."""
     k, owner = _kernel_owner()
     if not k.bf16_mm:
         pytest.skip("no AVX-512 on this CPU (oneDNN runs the bf16 GEMMs)")
+    forms = ["fma"] + (["dpbf16"] if k._lib.has_bf16_dp() else [])
+    for form in forms:   # both inner blocks, whichever this process would pick
+        k.bf16_form = form
+        _check_bf16_gemm(owner, form)
+
+
+def _check_bf16_gemm(owner, form):
+    from shepherd.model.llama import Linear
     g = torch.Generator().manual_seed(6)
     for N, K, bias in ((96, 64, True), (960, 576, False), (576, 1536, False)):
         w = torch.randn(N, K, generator=g).bfloat16()
@@ -253,7 +261,7 @@ def test_bf16_gemm_kernel_matches_float_matmul_and_is_row_invariant():
         assert torch.equal(full, logits.bfloat16())   # one rounding of the same sums
         for M in (1, 2, 3, 4, 5, 6, 9, 11):   # across the kernel's 5-row blocks
             for s in (0, 37 - M):
-                assert torch.equal(lin(x[s:s + M]), full[s:s + M]), f"M={M} at {s}"
+                assert torch.equal(lin(x[s:s + M]), full[s:s + M]), f"{form}: M={M} at {s}"
 
 
 def test_int8_weight_kernel_matches_the_dequantised_weights_and_is_row_invariant():
@@ -275,3 +283,19 @@ def test_int8_weight_kernel_matches_the_dequantised_weights_and_is_row_invariant
     for M in (1, 2, 3, 4, 5, 8):
         for s in (0, 21 - M):
             assert torch.equal(lin(x[s:s + M]), full[s:s + M]), f"M={M} at {s}"
+
+
+def test_bf16_gemm_form_override_is_checked(monkeypatch):
+    """$SHEPHERD_BF16_MM picks the bf16 GEMM's inner block; a value that is not a form is an
+    error naming the choices, not a silent fallback."""
+    lib = kernels.load()
+    if lib is None or not lib.has_bf16_mm():
+        pytest.skip("no AVX-512 kernels on this machine")
+    monkeypatch.setattr(kernels, "_form", None)
+    monkeypatch.setenv("SHEPHERD_BF16_MM", "fma")
+    assert kernels.bf16_form(lib) == "fma"
+    monkeypatch.setattr(kernels, "_form", None)
+    monkeypatch.setenv("SHEPHERD_BF16_MM", "amx")
+    with pytest.raises(ValueError, match="fma, dpbf16"):
+        kernels.bf16_form(lib)
+    monkeypatch.setattr(kernels, "_form", None)

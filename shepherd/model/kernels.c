@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -437,13 +438,14 @@ void w4a8_mm_bf16(const int8_t *xq, const float *dx, const float *sx, int64_t ro
 
 /* ---------------------------------------------------------------- bf16 GEMM (bf16_mm)
  * y = x W^T (+ b) for bf16 x [rows, K] and W [N, K], written for the decode step's small M,
- * where oneDNN's per-call cost and its M-dependent paths dominate. Float32 FMAs on weights
- * widened in registers, not vdpbf16ps: on this machine's cores vdpbf16ps (32 MACs) issues about
- * every other cycle while two 16-lane FMAs issue every cycle, so at 64 rows, where the GEMM is
- * compute-bound, the FMA form does twice the MACs per cycle; at one row both are memory-bound.
- * Each output element is one float32 FMA chain over k = 0, 1, .., K-1 in order, whatever the
- * number of rows or how rows and columns are blocked: batch-invariant for any M, so no padding
- * rows are needed; the products bf16 x bf16 are exact, so the chain rounds once per k.
+ * where oneDNN's per-call cost and its M-dependent paths dominate. Two forms of the inner block,
+ * chosen once per process by bf16_dp_pays() (kernels.py), because the better one depends on the
+ * core: at 64 rows the GEMM is compute-bound, and vdpbf16ps (32 MACs an instruction) issues at
+ * the FMA rate on AMD Zen 5 but at about a quarter of it on the Intel Xeon we measured, where two
+ * float32 FMAs on weights widened in registers do twice its MACs per cycle. At one row both are
+ * memory-bound. Either form gives each output one float32 accumulator folded over k (FMA form:
+ * k = 0, 1, .., K-1; dp form: k-pairs 0, 1, .., K/2-1) in order, whatever the number of rows or
+ * how rows and columns are blocked: batch-invariant for any M, so no padding rows are needed.
  *
  * Packed weights, tile t = output rows 16t..16t+15, k-pair major: element (kp, lane, j) at
  * w[t * 16K + 32 kp + 2 lane + j] = W[16t + lane][2 kp + j]. A tile is one contiguous stream. */
@@ -459,9 +461,9 @@ int has_bf16_mm(void) {
 #define BF_ROWS 5   /* 5 rows x 4 tiles = 20 accumulators, beside 8 widened weights and 2 broadcasts */
 /* R rows x C tiles of accumulators over all k (R, C compile-time after inlining). A packed dword
  * holds (W[n][2kp], W[n][2kp+1]): the even weight is the dword shifted up, the odd one its high
- * half, both exact float32. */
-static inline __attribute__((always_inline)) void bf16_block(const float *x, int64_t K, int R,
-                                                             const uint16_t *w, int C, __m512 acc[BF_ROWS][4]) {
+ * half, both exact float32, so each product is exact and the chain rounds once per k. */
+static inline __attribute__((always_inline)) void bf16_block_fma(const float *x, int64_t K, int R,
+                                                                 const uint16_t *w, int C, __m512 acc[BF_ROWS][4]) {
     const int64_t KP = K / 2;
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     for (int r = 0; r < R; r++)
@@ -482,19 +484,111 @@ static inline __attribute__((always_inline)) void bf16_block(const float *x, int
     }
 }
 
+#if defined(__AVX512BF16__)
+/* The same block on vdpbf16ps: x stays bf16, one instruction per k-pair and tile. */
+static inline __attribute__((always_inline)) void bf16_block_dp(const uint16_t *x, int64_t K, int R,
+                                                                const uint16_t *w, int C, __m512 acc[BF_ROWS][4]) {
+    const int64_t KP = K / 2;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < KP; kp++) {
+        __m512bh wv[4];
+        for (int c = 0; c < C; c++) {
+            const uint16_t *p = w + c * 16 * K + 32 * kp;
+            _mm_prefetch((const char *)(p + 32 * 16), _MM_HINT_T0);
+            wv[c] = (__m512bh)_mm512_loadu_si512(p);
+        }
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            memcpy(&pair, x + r * K + 2 * kp, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+}
+#endif
+
+static double bf_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+int has_bf16_dp(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when vdpbf16ps does at least as many MACs per second as float32 FMAs on this core (best of
+ * three runs of 12 independent chains, ~1 ms in all): the dp form's condition. */
+int bf16_dp_pays(void) {
+#if defined(__AVX512BF16__)
+    double tf = 1e9, td = 1e9;
+    const long n = 100000;
+    for (int rep = 0; rep < 3; rep++) {
+        __m512 a[12];
+        for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps(1e-9f * i);
+        const __m512 u = _mm512_set1_ps(0.999f), v = _mm512_set1_ps(1.001f);
+        double t = bf_now();
+        for (long j = 0; j < n; j++) {
+            for (int i = 0; i < 12; i++) a[i] = _mm512_fmadd_ps(u, v, a[i]);
+            __asm__ volatile("" : "+v"(a[0]), "+v"(a[6]));
+        }
+        t = bf_now() - t;
+        if (t < tf) tf = t;
+        const __m512bh ub = (__m512bh)_mm512_set1_epi32(0x3f803f80), vb = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f);
+        t = bf_now();
+        for (long j = 0; j < n; j++) {
+            for (int i = 0; i < 12; i++) a[i] = _mm512_dpbf16_ps(a[i], ub, vb);
+            __asm__ volatile("" : "+v"(a[0]), "+v"(a[6]));
+        }
+        t = bf_now() - t;
+        if (t < td) td = t;
+        float sink = 0;
+        for (int i = 0; i < 12; i++) sink += _mm512_reduce_add_ps(a[i]);
+        __asm__ volatile("" : : "x"(sink));
+    }
+    return 32.0 / td >= 16.0 / tf;
+#else
+    return 0;
+#endif
+}
+
 static inline void bf16_store(__m512 v, const uint16_t *bias, void *y, int64_t off, int out_f32) {
     if (bias) v = _mm512_add_ps(v, v_bf2f(bias));
     if (out_f32) _mm512_storeu_ps((float *)y + off, v);
     else v_f2bf((uint16_t *)y + off, v);
 }
 
+/* literal R and C so each full block compiles to straight-line register code; the last tiles of
+ * an N that is not a multiple of 64 take the generic loop (same sums) */
+#define BF_BLOCK(block, xb)                                         \
+    if (C < 4) block(xb, K, R, wt, C, acc);                         \
+    else switch (R) {                                               \
+        case 5: block(xb, K, 5, wt, 4, acc); break;                 \
+        case 4: block(xb, K, 4, wt, 4, acc); break;                 \
+        case 3: block(xb, K, 3, wt, 4, acc); break;                 \
+        case 2: block(xb, K, 2, wt, 4, acc); break;                 \
+        default: block(xb, K, 1, wt, 4, acc); break;                \
+    }
+
+/* dp: 1 for the vdpbf16ps form (only where the CPU has it), 0 for the FMA form */
 void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
-             const uint16_t *bias, void *y, int out_f32) {
+             const uint16_t *bias, void *y, int out_f32, int dp) {
     const int64_t NT = N / 16, NU = (NT + 3) / 4, RB = (rows + BF_ROWS - 1) / BF_ROWS;
-    float *xf = malloc(sizeof(float) * rows * K);
-    int64_t i = 0;
-    for (; i + 16 <= rows * K; i += 16) _mm512_storeu_ps(xf + i, v_bf2f(x + i));
-    for (; i < rows * K; i++) xf[i] = bf2f(x[i]);
+#if !defined(__AVX512BF16__)
+    dp = 0;
+#endif
+    float *xf = NULL;
+    if (!dp) {   /* the FMA form reads x as float32: converted once, not once per tile */
+        xf = malloc(sizeof(float) * rows * K);
+        int64_t i = 0;
+        for (; i + 16 <= rows * K; i += 16) _mm512_storeu_ps(xf + i, v_bf2f(x + i));
+        for (; i < rows * K; i++) xf[i] = bf2f(x[i]);
+    }
     /* one item per (4-tile unit, row block), unit-major: a thread's contiguous share re-reads
      * a unit's weights from its own cache across row blocks, and 9 units still split evenly */
     #pragma omp parallel for schedule(static) if(NU * RB > 1)
@@ -503,18 +597,12 @@ void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int6
         const int C = NT - t0 < 4 ? (int)(NT - t0) : 4;
         const int R = rows - r0 < BF_ROWS ? (int)(rows - r0) : BF_ROWS;
         const uint16_t *wt = w + t0 * 16 * K;
-        const float *xb = xf + r0 * K;
         __m512 acc[BF_ROWS][4];
-        /* literal R and C so each full block compiles to straight-line register code; the
-         * last tiles of an N that is not a multiple of 64 take the generic loop (same sums) */
-        if (C < 4) bf16_block(xb, K, R, wt, C, acc);
-        else switch (R) {
-            case 5: bf16_block(xb, K, 5, wt, 4, acc); break;
-            case 4: bf16_block(xb, K, 4, wt, 4, acc); break;
-            case 3: bf16_block(xb, K, 3, wt, 4, acc); break;
-            case 2: bf16_block(xb, K, 2, wt, 4, acc); break;
-            default: bf16_block(xb, K, 1, wt, 4, acc); break;
-        }
+#if defined(__AVX512BF16__)
+        if (dp) { BF_BLOCK(bf16_block_dp, x + r0 * K) }
+        else
+#endif
+        { BF_BLOCK(bf16_block_fma, xf + r0 * K) }
         for (int r = 0; r < R; r++)
             for (int c = 0; c < C; c++)
                 bf16_store(acc[r][c], bias ? bias + 16 * (t0 + c) : NULL, y, (r0 + r) * N + 16 * (t0 + c), out_f32);

@@ -107,8 +107,9 @@ def load():
         lib.has_w4a8.restype = ctypes.c_int
         lib.has_bf16_mm.restype = ctypes.c_int
         if lib.has_bf16_mm():
-            lib.bf16_mm.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int]
+            lib.bf16_mm.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int, ctypes.c_int]
             lib.bf16_mm.restype = None
+            lib.bf16_dp_pays.restype = lib.has_bf16_dp.restype = ctypes.c_int
         lib.has_w8_mm.restype = ctypes.c_int
         if lib.has_w8_mm():
             lib.w8_mm_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int]
@@ -136,6 +137,26 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_form: Optional[str] = None
+BF16_FORMS = ("fma", "dpbf16")
+
+
+def bf16_form(lib) -> str:
+    """Which inner block bf16_mm runs, fixed for the process so that results do not change
+    mid-run: $SHEPHERD_BF16_MM (fma | dpbf16) if set, else dpbf16 where the CPU has it and it
+    does at least the FMA form's MACs per second (a 1 ms probe in kernels.c), else fma."""
+    global _form
+    if _form is None:
+        want = os.environ.get("SHEPHERD_BF16_MM", "").strip().lower()
+        if want and want not in BF16_FORMS:
+            raise ValueError(f"SHEPHERD_BF16_MM={want!r}: expected one of {', '.join(BF16_FORMS)}")
+        if want == "dpbf16" and not lib.has_bf16_dp():
+            raise ValueError("SHEPHERD_BF16_MM=dpbf16: this CPU has no AVX512-BF16")
+        _form = want or ("dpbf16" if lib.bf16_dp_pays() else "fma")
+        log.info("bf16 GEMM: %s form", _form)
+    return _form
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
@@ -154,7 +175,8 @@ class Kernels:
         self._quant = getattr(lib, f"quant_rows_{suf}")
         self._dequant = {dtype: getattr(lib, f"dequant_{suf}"), torch.float32: lib.dequant_f32}
         self.w4a8 = dtype == torch.bfloat16 and bool(lib.has_w4a8())   # int4 x int8 on VNNI
-        self.bf16_mm = dtype == torch.bfloat16 and bool(lib.has_bf16_mm())   # bf16 weights, fp32 FMAs
+        self.bf16_mm = dtype == torch.bfloat16 and bool(lib.has_bf16_mm())   # bf16 weights, fp32 sums
+        self.bf16_form = bf16_form(lib) if self.bf16_mm else None
         self.w8 = dtype == torch.bfloat16 and bool(lib.has_w8_mm())          # int8 weights x bf16
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
@@ -226,7 +248,7 @@ class Kernels:
         y = torch.empty((rows, N), dtype=out_dtype)
         if rows:
             self._lib.bf16_mm(x.data_ptr(), rows, K, packed.data_ptr(), N, _ptr(bias), y.data_ptr(),
-                              int(out_dtype == torch.float32))
+                              int(out_dtype == torch.float32), int(self.bf16_form == "dpbf16"))
         return y
 
     @staticmethod
