@@ -1,7 +1,9 @@
 """The simulator against the real engine on this CPU (SmolLM2-135M):
 
-1. `shepherd calibrate` times the torch executor (driven by the real
-   Scheduler) over a grid of batches and writes a fitted cost model;
+1. `shepherd calibrate --served` times the torch executor (driven by the real
+   Scheduler) over a grid of batches and writes a fitted cost model, then
+   measures the served path's per-step overhead over HTTP (its TPOT at 1 and
+   16 streams minus the fitted step);
 2. `shepherd serve` runs the real engine with fixed scheduler knobs;
 3. `shepherd bench` replays three Poisson workloads: light, saturating, and a
    shared-prefix one (every request opens with the same system prompt), the
@@ -62,7 +64,7 @@ def main() -> None:
     if not a.cost_model:
         run([PY, "-m", "shepherd", "calibrate", "--out", cost, "--batch-sizes", "1,2,4,8,16,32",
              "--prompt-lens", f"{a.input_len // 2},{a.input_len},{a.input_len * 4}", "--decode-steps", "10",
-             "--max-num-tokens", str(a.max_num_tokens)] + threads)
+             "--max-num-tokens", str(a.max_num_tokens), "--served"] + threads)
     server = subprocess.Popen([PY, "-m", "shepherd", "serve", "--port", str(a.port)] + knobs + threads,
                               stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT)
     try:
@@ -125,8 +127,12 @@ def write_docs(table: str, cost: str, mark: str = "engine-validation") -> None:
     path = Path(__file__).resolve().parent.parent / "docs" / "SIMULATION.md"
     text = path.read_text()
     oh = json.loads(Path(cost).read_text())
-    block = (f"<!-- {mark} -->\n{table}\n\nCalibrated per-step scheduler overhead: "
-             f"{oh.get('cpu_fixed', 0) * 1e3:.3f} ms + {oh.get('cpu_per_req', 0) * 1e6:.1f} us per request. "
+    so = oh.get("meta", {}).get("served_overhead") or {}
+    served = (f" (served path over HTTP, TPOT at 1 / 16 streams minus the fitted step; the scheduler's own "
+              f"share: {so.get('scheduler_fixed', 0) * 1e3:.3f} ms + {so.get('scheduler_per_req', 0) * 1e6:.1f} us)"
+              if so else "")
+    block = (f"<!-- {mark} -->\n{table}\n\nCalibrated per-step overhead: "
+             f"{oh.get('cpu_fixed', 0) * 1e3:.3f} ms + {oh.get('cpu_per_req', 0) * 1e6:.1f} us per request{served}. "
              f"`python benchmarks/simulate_validate_engine.py`, {time.strftime('%Y-%m-%d')}.\n<!-- /{mark} -->")
     pat = re.compile(rf"<!-- {mark} -->.*?<!-- /{mark} -->", re.S)
     text = pat.sub(block, text) if pat.search(text) else text.rstrip() + "\n\n" + block + "\n"

@@ -127,3 +127,18 @@ def test_calibrate_fits_the_scheduler_overhead_line():
     host = [(n, 3e-4 + 2e-5 * n) for n in (1, 2, 4, 8, 16, 32)]
     a, b = fit_overhead(host)
     assert a == pytest.approx(3e-4) and b == pytest.approx(2e-5)
+
+
+def test_calibrate_served_overhead_is_what_the_step_model_leaves_out():
+    """`calibrate --served`: served TPOT minus the model's step at the same batch and context is
+    the overhead; a line through the two batches gives fixed + per request, and an overhead that
+    the step model already covers (TPOT below the step) gives none, not a negative one."""
+    from shepherd.sim.calibrate import fit_served_overhead
+    fit = fc.FittedCostModel(grid_tokens=[1, 64], grid_s=[5e-3, 9e-3], coef={"ctx_tokens": 1e-8})
+    step1, step16 = fit.decode_itl(160, 1), fit.decode_itl(160, 16)
+    fixed, per = fit_served_overhead([(1, 160, step1 + 1.2e-3), (16, 160, step16 + 1.2e-3 + 15 * 3e-4)], fit)
+    assert fixed == pytest.approx(1.2e-3 - 3e-4) and per == pytest.approx(3e-4)
+    fit.set_overhead(fixed, per)
+    assert fit.decode_itl(160, 16) == pytest.approx(step16 + 1.2e-3 + 15 * 3e-4)   # the simulator now predicts it
+    fit.set_overhead(0.0, 0.0)
+    assert fit_served_overhead([(1, 160, step1 - 1e-3), (16, 160, step16 - 2e-3)], fit) == (0.0, 0.0)

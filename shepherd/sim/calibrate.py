@@ -19,6 +19,15 @@ around each forward (schedule() + on_step()) is timed too and fitted as the
 model's per-step overhead: fixed + per request in the batch (`cpu_fixed`,
 `cpu_per_req` in the JSON; `shepherd simulate --step-overhead/--seq-overhead`
 override them).
+
+With --served it then measures what the scheduler timing leaves out: it starts
+`shepherd serve` with the same model, dtype and threads, streams a few
+requests over HTTP at 1 and at --served-concurrency requests in flight, and
+takes TPOT p50 minus the fitted step time at the same batch and context as
+the per-step overhead a user sees: the engine loop, the pipe to the server,
+detokenising and SSE, and the client, all on the same cores
+(`served_overhead` in the JSON's meta). The simulator then predicts served
+latency, not the bare executor's.
 """
 from __future__ import annotations
 
@@ -45,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of the run")
     p.add_argument("--samples-out", default=None, help="raw samples (JSONL; default: OUT with .samples.jsonl)")
     p.add_argument("--from-samples", default=None, help="refit from a samples file instead of timing")
+    p.add_argument("--served", action="store_true",
+                   help="also measure the per-step overhead of the served path over HTTP (starts `shepherd serve`)")
+    p.add_argument("--served-concurrency", type=int, default=16, help="the second point of the served fit")
+    p.add_argument("--served-args", default="", help="extra `shepherd serve` flags for --served (one string)")
 
 
 def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens, decode_steps: int,
@@ -163,6 +176,16 @@ def main(args) -> int:
     fixed, per_req = fit_overhead(host)
     model.set_overhead(fixed, per_req)
     model.meta["overhead_samples"] = len(host)
+    if args.served:
+        del ex   # the server loads its own copy; two would compete for memory bandwidth
+        points = measure_served(args, ecfg)
+        model.set_overhead(0.0, 0.0)
+        sfixed, sper = fit_served_overhead(points, model)
+        model.meta["served_overhead"] = {"points": [list(p) for p in points], "fixed": sfixed, "per_req": sper,
+                                         "scheduler_fixed": fixed, "scheduler_per_req": per_req}
+        # the served figure includes the scheduler's work, so it replaces it, but never goes below it
+        fixed, per_req = max(fixed, sfixed), max(per_req, sper)
+        model.set_overhead(fixed, per_req)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)
     from dataclasses import asdict
@@ -173,10 +196,88 @@ def main(args) -> int:
     print(f"calibrate: {len(samples)} samples, fit error mean {m['fit_mean_rel_err']:.1%}, "
           f"median {m['fit_median_rel_err']:.1%}, max {m['fit_max_rel_err']:.1%}; decode step B=1 at 128 ctx "
           f"{model.decode_itl(128) * 1e3:.1f} ms, B=32 {model.decode_itl(128, 32) * 1e3:.1f} ms; "
-          f"prefill 512 {model.shape_time(BatchShape.prefill(512)) * 1e3:.0f} ms; scheduler overhead "
+          f"prefill 512 {model.shape_time(BatchShape.prefill(512)) * 1e3:.0f} ms; per-step overhead "
           f"{fixed * 1e3:.3f} ms + {per_req * 1e6:.1f} us/request per step; wrote {args.out}",
           file=sys.stderr)
     return 0
+
+
+def fit_served_overhead(points, model) -> tuple[float, float]:
+    """Per-step overhead (fixed, per request) from served TPOT p50s: `points` are
+    (requests in flight, context tokens, TPOT seconds); each TPOT minus the model's
+    step time at that batch and context (the model without overhead) is the
+    overhead at that batch; a line through the smallest and largest batch, both
+    terms clamped at 0."""
+    over = sorted((b, t - model.decode_itl(int(c), int(b))) for b, c, t in points)
+    if not over:
+        return 0.0, 0.0
+    (b0, o0), (b1, o1) = over[0], over[-1]
+    if b1 == b0:
+        return max(o0, 0.0), 0.0
+    per = max((o1 - o0) / (b1 - b0), 0.0)
+    return max(o0 - per * b0, 0.0), per
+
+
+def measure_served(args, ecfg) -> list[tuple[int, float, float]]:
+    """(requests in flight, mean context, TPOT p50) at 1 and --served-concurrency
+    streams of 128-token prompts and 64 output tokens, against a `shepherd serve`
+    started here. The concurrent requests start together, so their TPOT spans
+    decode-only steps of that batch, which is what the fit subtracts."""
+    import asyncio
+    import socket
+    import statistics
+    import subprocess
+
+    import httpx
+
+    from shepherd.bench import loadgen, prompts
+    from shepherd.bench.stream import tpot_of
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--dtype", ecfg.dtype]
+    if args.model:
+        cmd.insert(4, args.model)
+    if ecfg.num_threads:
+        cmd += ["--num-threads", str(ecfg.num_threads)]
+    cmd += args.served_args.split()
+    print(f"calibrate: served overhead: {' '.join(cmd[1:])}", file=sys.stderr)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            if server.poll() is not None:
+                raise RuntimeError(f"`shepherd serve` exited with {server.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("`shepherd serve` did not come up in 150 s")
+        tok = prompts.load_tokenizer(args.model)
+        points = []
+        for i, conc in enumerate((1, 1, args.served_concurrency)):   # the first is warm-up
+            n = conc if conc > 1 else 6   # all at once: after one prefill, decode-only steps
+            trace = loadgen.synthetic(n, input_len="128", output_len="64", seed=7 + i)
+            builder = prompts.PromptBuilder(tok, seed=7 + i)
+            reqs = [loadgen.BenchRequest(req_id=f"cal-{i}-{j}", trace=tr, prompt=builder.build(tr, j))
+                    for j, tr in enumerate(trace)]
+            res = asyncio.run(loadgen.run_load(reqs, loadgen.LoadConfig(
+                url=url, max_concurrency=conc, progress=False, poll_metrics=False)))
+            tp = [t for t in (tpot_of(r) for r in res.records if r.ok) if t]
+            if i and tp:
+                points.append((conc, 128 + 32, statistics.median(tp)))
+                print(f"calibrate: served, {conc} in flight: TPOT p50 {points[-1][2] * 1e3:.2f} ms",
+                      file=sys.stderr)
+        return points
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def fit_overhead(host: list) -> tuple[float, float]:
