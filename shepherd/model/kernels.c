@@ -196,6 +196,100 @@ static inline __m512 hsum16(const __m512 *v) {
 #define AMAXG 16            /* query heads per kv head handled here (GQA group) */
 #define PF 32          /* keys fetched ahead in the attention loops */
 #define AMAXC 8             /* head_dim / 32 */
+/* One (row, kv head) item. G and C are literals at the call sites below, so the per-key loops
+ * over query heads and 32-wide chunks unroll and `part` / `qv` / `acc` stay in registers. */
+static inline __attribute__((always_inline)) void attention_item_bf16(
+        int64_t item, const int64_t G, const int64_t C, float *sc, int64_t npad,
+        const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1, uint16_t *out,
+        int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab, const int64_t *off,
+        const int64_t *ctx, float scale) {
+    int64_t r = item / KVH, kh = item % KVH, n = ctx[r];
+    const int64_t *sl = slot_tab + off[r];
+    const uint16_t *Kb = pool + kh * cap1 * hd, *Vb = pool + (KVH + kh) * cap1 * hd;
+    __m512bh qv[AMAXG][AMAXC];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < C; c++)
+            qv[g][c] = (__m512bh)_mm512_loadu_si512(q + r * q_stride + (kh * G + g) * hd + 32 * c);
+    for (int64_t a = 0; a < PF && a < n; a++) {     /* this item's first V rows */
+        const char *nv = (const char *)(Vb + sl[a] * hd);
+        for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T1);
+    }
+    __m512 mxv[AMAXG];
+    for (int64_t g = 0; g < G; g++) mxv[g] = _mm512_set1_ps(-INFINITY);
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        int64_t m = n - j0 < 16 ? n - j0 : 16;
+        __m512 part[AMAXG][16];
+        for (int64_t t = 0; t < 16; t++) {
+            if (t < m) {
+                const uint16_t *k = Kb + sl[j0 + t] * hd;
+                if (j0 + t + PF < n) {      /* the pool is read once per step: fetch ahead */
+                    const char *nk = (const char *)(Kb + sl[j0 + t + PF] * hd);
+                    for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+                }
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < C; c++)
+                        a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+                    part[g][t] = a;
+                }
+            } else {
+                for (int64_t g = 0; g < G; g++) part[g][t] = _mm512_setzero_ps();
+            }
+        }
+        __mmask16 live = (__mmask16)((1u << m) - 1);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 s = _mm512_mul_ps(hsum16(part[g]), vs);
+            s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), s);
+            _mm512_store_ps(sc + g * npad + j0, s);
+            mxv[g] = _mm512_max_ps(mxv[g], s);
+        }
+    }
+    float l[AMAXG];
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = sc + g * npad;
+        __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mxv[g])), lv = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            __m512 e = v_fexp(_mm512_sub_ps(_mm512_load_ps(sg + j), mv));
+            e = _mm512_mask_blend_ps((__mmask16)(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1), _mm512_setzero_ps(), e);
+            _mm512_store_ps(sg + j, e);
+            lv = _mm512_add_ps(lv, e);
+        }
+        l[g] = _mm512_reduce_add_ps(lv);
+    }
+    if (item + 1 < rows * KVH) {     /* the next item's first K rows (a hint: OpenMP may give it away) */
+        int64_t r1 = (item + 1) / KVH, k1 = (item + 1) % KVH;
+        const uint16_t *K1 = pool + k1 * cap1 * hd;
+        for (int64_t a = 0; a < PF && a < ctx[r1]; a++) {
+            const char *nk = (const char *)(K1 + slot_tab[off[r1] + a] * hd);
+            for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T1);
+        }
+    }
+    /* P.V in float32 (P kept in float32: rounding it to bf16 moved greedy tokens away
+     * from transformers' on the parity prompts, for no gain once the loop waits on memory) */
+    __m512 acc[AMAXG][2 * AMAXC];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *v = Vb + sl[j] * hd;
+        if (j + PF < n) {
+            const char *nv = (const char *)(Vb + sl[j + PF] * hd);
+            for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T0);
+        }
+        __m512 vf[2 * AMAXC];
+        for (int64_t c = 0; c < 2 * C; c++) vf[c] = v_bf2f(v + 16 * c);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 p = _mm512_set1_ps(sc[g * npad + j]);
+            for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        uint16_t *o = out + r * H * hd + (kh * G + g) * hd;
+        __m512 il = _mm512_set1_ps(1.0f / l[g]);
+        for (int64_t c = 0; c < 2 * C; c++) v_f2bf(o + 16 * c, _mm512_mul_ps(acc[g][c], il));
+    }
+}
+
 static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1,
                                uint16_t *out, int64_t rows, int64_t H, int64_t KVH, int64_t hd,
                                const int64_t *slot_tab, const int64_t *off, const int64_t *ctx,
@@ -206,91 +300,15 @@ static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16
         float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(G * npad + 16));
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < rows * KVH; item++) {
-            int64_t r = item / KVH, kh = item % KVH, n = ctx[r];
-            const int64_t *sl = slot_tab + off[r];
-            const uint16_t *Kb = pool + kh * cap1 * hd, *Vb = pool + (KVH + kh) * cap1 * hd;
-            __m512bh qv[AMAXG][AMAXC];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < C; c++)
-                    qv[g][c] = (__m512bh)_mm512_loadu_si512(q + r * q_stride + (kh * G + g) * hd + 32 * c);
-            for (int64_t a = 0; a < PF && a < n; a++) {     /* this item's first V rows */
-                const char *nv = (const char *)(Vb + sl[a] * hd);
-                for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T1);
-            }
-            __m512 mxv[AMAXG];
-            for (int64_t g = 0; g < G; g++) mxv[g] = _mm512_set1_ps(-INFINITY);
-            const __m512 vs = _mm512_set1_ps(scale);
-            for (int64_t j0 = 0; j0 < n; j0 += 16) {
-                int64_t m = n - j0 < 16 ? n - j0 : 16;
-                __m512 part[AMAXG][16];
-                for (int64_t t = 0; t < 16; t++) {
-                    if (t < m) {
-                        const uint16_t *k = Kb + sl[j0 + t] * hd;
-                        if (j0 + t + PF < n) {      /* the pool is read once per step: fetch ahead */
-                            const char *nk = (const char *)(Kb + sl[j0 + t + PF] * hd);
-                            for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
-                        }
-                        for (int64_t g = 0; g < G; g++) {
-                            __m512 a = _mm512_setzero_ps();
-                            for (int64_t c = 0; c < C; c++)
-                                a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-                            part[g][t] = a;
-                        }
-                    } else {
-                        for (int64_t g = 0; g < G; g++) part[g][t] = _mm512_setzero_ps();
-                    }
-                }
-                __mmask16 live = (__mmask16)((1u << m) - 1);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 s = _mm512_mul_ps(hsum16(part[g]), vs);
-                    s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), s);
-                    _mm512_store_ps(sc + g * npad + j0, s);
-                    mxv[g] = _mm512_max_ps(mxv[g], s);
-                }
-            }
-            float l[AMAXG];
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = sc + g * npad;
-                __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mxv[g])), lv = _mm512_setzero_ps();
-                for (int64_t j = 0; j < n; j += 16) {
-                    __m512 e = v_fexp(_mm512_sub_ps(_mm512_load_ps(sg + j), mv));
-                    e = _mm512_mask_blend_ps((__mmask16)(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1), _mm512_setzero_ps(), e);
-                    _mm512_store_ps(sg + j, e);
-                    lv = _mm512_add_ps(lv, e);
-                }
-                l[g] = _mm512_reduce_add_ps(lv);
-            }
-            if (item + 1 < rows * KVH) {     /* the next item's first K rows (a hint: OpenMP may give it away) */
-                int64_t r1 = (item + 1) / KVH, k1 = (item + 1) % KVH;
-                const uint16_t *K1 = pool + k1 * cap1 * hd;
-                for (int64_t a = 0; a < PF && a < ctx[r1]; a++) {
-                    const char *nk = (const char *)(K1 + slot_tab[off[r1] + a] * hd);
-                    for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T1);
-                }
-            }
-            /* P.V in float32 (P kept in float32: rounding it to bf16 moved greedy tokens away
-             * from transformers' on the parity prompts, for no gain once the loop waits on memory) */
-            __m512 acc[AMAXG][2 * AMAXC];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
-                const uint16_t *v = Vb + sl[j] * hd;
-                if (j + PF < n) {
-                    const char *nv = (const char *)(Vb + sl[j + PF] * hd);
-                    for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T0);
-                }
-                __m512 vf[2 * AMAXC];
-                for (int64_t c = 0; c < 2 * C; c++) vf[c] = v_bf2f(v + 16 * c);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 p = _mm512_set1_ps(sc[g * npad + j]);
-                    for (int64_t c = 0; c < 2 * C; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                uint16_t *o = out + r * H * hd + (kh * G + g) * hd;
-                __m512 il = _mm512_set1_ps(1.0f / l[g]);
-                for (int64_t c = 0; c < 2 * C; c++) v_f2bf(o + 16 * c, _mm512_mul_ps(acc[g][c], il));
-            }
+#define ATT_ITEM(g, c) attention_item_bf16(item, g, c, sc, npad, q, q_stride, pool, cap1, out, rows, H, KVH, \
+                                           hd, slot_tab, off, ctx, scale)
+            /* the shapes of the models we serve (SmolLM2-135M: 3 x 64; Llama-3: 4 x 128), then any */
+            if (G == 3 && C == 2) ATT_ITEM(3, 2);
+            else if (G == 4 && C == 4) ATT_ITEM(4, 4);
+            else if (G == 4 && C == 2) ATT_ITEM(4, 2);
+            else if (G == 1 && C == 2) ATT_ITEM(1, 2);
+            else ATT_ITEM(G, C);
+#undef ATT_ITEM
         }
         free(sc);
     }
