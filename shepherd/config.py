@@ -35,6 +35,10 @@ class SchedulerConfig:
     max_consecutive_prefill: int = 8
     # decode-first mode (LightLLM): run decodes, and admit new prefills every N steps (0 = off).
     decode_first_prefill_every: int = 0
+    # multi-step scheduling (vLLM v0.6 --num-scheduler-steps N): a decode batch is scheduled
+    # for N steps at once, so nothing is admitted until those N steps are done (a prefill
+    # step is one step). Counted in steps: the scheduler still reads no clock. 1 = off.
+    multi_step: int = 1
     # mixed steps (vLLM): running decodes ride along in every prefill step, within
     # max_num_tokens, so a prefill never stalls decodes. Off: a step is prefill-only or
     # decode-only (SGLang), with max_consecutive_prefill bounding how long decodes wait.
@@ -65,7 +69,7 @@ class SchedulerConfig:
         if self.victim not in VICTIMS:
             raise ConfigError(f"victim must be one of {VICTIMS}, got {self.victim!r}")
         for name in ("max_total_tokens", "max_batch_size", "max_num_tokens", "page_size",
-                     "max_concurrency", "max_queue"):
+                     "max_concurrency", "max_queue", "multi_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_total_tokens % self.page_size:

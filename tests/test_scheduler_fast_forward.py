@@ -114,6 +114,7 @@ CONFIGS = [
     dict(admission="optimistic", mixed_steps=False),
     dict(admission="peak", mixed_steps=False, n=90),
     dict(admission="optimistic", decode_first_prefill_every=3, mixed_steps=False),
+    dict(admission="optimistic", multi_step=3, mixed_steps=False),
 ]
 
 

@@ -13,7 +13,7 @@ from shepherd.config import SchedulerConfig
 from shepherd.request import Request, SamplingParams
 from shepherd.bench import synthetic as S
 from shepherd.bench import traces as T
-from shepherd.sim.cost_model import RooflineCostModel
+from shepherd.sim.cost_model import BatchShape, RooflineCostModel
 from shepherd.sim.simulator import SimConfig, Simulator, simulate
 
 DATA = Path(__file__).parent / "data"
@@ -281,3 +281,46 @@ def test_run_leaves_the_process_gc_threshold_as_it_found_it():
         assert gc.get_threshold() == (123, 4, 5)
     finally:
         gc.set_threshold(*old)
+
+
+def _two_requests(multi_step):
+    """A decodes alone; B arrives 1.5 decode steps after A's prefill, i.e. mid-window."""
+    cost = RooflineCostModel("llama-3-8b", "h100").set_overhead(1e-3, 0.0)
+    sched = SchedulerConfig(mixed_steps=False, max_consecutive_prefill=0, prefix_cache=False, multi_step=multi_step)
+    gpu_step = cost.decode_step_time(1, 100) - 1e-3
+    prefill = cost.shape_time(BatchShape.prefill(100))
+    tr = [TraceRequest(arrival=0.0, prompt_tokens=100, output_tokens=13, index=0),
+          TraceRequest(arrival=prefill + 1.5 * gpu_step, prompt_tokens=100, output_tokens=5, index=1)]
+    res = simulate(tr, SimConfig(scheduler=sched, kv_capacity=5000, record_batches=True), cost)
+    return res, gpu_step
+
+
+def test_multi_step_admits_only_at_window_ends_and_pays_the_fixed_overhead_once_per_window():
+    one, _ = _two_requests(1)
+    win, gpu_step = _two_requests(4)
+    a1, b1 = sorted(one.records, key=lambda r: r.arrival)
+    a4, b4 = sorted(win.records, key=lambda r: r.arrival)
+    # step by step, B's prefill runs right after the decode step in flight when it arrives;
+    # with windows of 4 it waits for A's fourth decode step: its first token comes later
+    starts = {rid: t for _, t, seqs in win.batches for rid, pos, n in seqs if n > 1}
+    a_decodes = [t for _, t, seqs in win.batches if seqs[0][2] == 1 and len(seqs) == 1]
+    assert starts[b4.req_id] == pytest.approx(a_decodes[3] + gpu_step, rel=1e-4)
+    assert b4.first_token > b1.first_token + gpu_step
+    # a window's first step pays the 1 ms fixed overhead, its other three do not
+    gaps = [t1 - t0 for t0, t1 in zip(a_decodes, a_decodes[1:4])]
+    assert gaps[0] == pytest.approx(gpu_step + 1e-3, rel=1e-3)
+    assert gaps[1] == pytest.approx(gpu_step, rel=1e-3) and gaps[2] == pytest.approx(gpu_step, rel=1e-3)
+    # A's 12 decode tokens: 3 windows of 4 instead of 12 steps that each pay 1 ms
+    assert a1.finish - a4.finish == pytest.approx(12e-3 - 3e-3, rel=0.05)
+
+
+def test_multi_step_hands_a_window_of_tokens_out_at_its_end():
+    res, _ = _two_requests(4)
+    a = min(res.records, key=lambda r: r.arrival)
+    times = a.token_times
+    assert len(times) == 13 and times[0] == a.first_token
+    # the prefill's token alone, then A's 12 decode tokens in 3 windows of 4, each window's
+    # tokens at one time (its end), as vLLM v0.6's clients receive them
+    groups = [times[1 + 4 * w: 5 + 4 * w] for w in range(3)]
+    assert all(len(set(g)) == 1 for g in groups)
+    assert len({g[0] for g in groups}) == 3 and a.finish == groups[-1][0]

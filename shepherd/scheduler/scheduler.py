@@ -25,8 +25,10 @@ a step that had to preempt for decode KV admits nothing. Without it (or under
 a mode that never mixes) a step is a prefill step (decodes wait) or a decode
 step (SGLang): prefill-first, at most max_consecutive_prefill prefill steps in
 a row. With decode_first_prefill_every=N, prefills join only every N steps
-(LightLLM). A request is admitted only when its whole known sequence gets KV
-slots at once, so a chunked prefill never runs out of memory half-way.
+(LightLLM); with multi_step=N (vLLM v0.6) decodes run in windows of N steps
+and nothing joins inside one (`in_window`). A request is admitted only when
+its whole known sequence gets KV slots at once, so a chunked prefill never
+runs out of memory half-way.
 """
 from __future__ import annotations
 
@@ -336,6 +338,10 @@ class Scheduler:
             mixed = False   # admit (and preempt) first, decodes follow next step
         if cfg.decode_first_prefill_every > 0:
             prefill_ok = (not has_decode) or self._since_prefill >= cfg.decode_first_prefill_every
+        elif cfg.multi_step > 1:
+            # windows are counted from the last prefill step, so a request that arrives
+            # mid-window waits for the window's end even if nothing waited at its start
+            prefill_ok = (not has_decode) or self._since_prefill % cfg.multi_step == 0
         else:
             m = cfg.max_consecutive_prefill
             prefill_ok = (not has_decode) or m == 0 or self._consec_prefill < m or mixed
@@ -467,6 +473,14 @@ class Scheduler:
             else:
                 outs.append(RequestOutput(req.req_id, new_token_ids=[tok], logprobs=lps))
         return outs
+
+    @property
+    def in_window(self) -> bool:
+        """multi_step > 1: the next step continues a decode window (nothing can join it);
+        the simulator charges the fixed step overhead once per window and hands the
+        window's tokens out at its end, as vLLM v0.6 does."""
+        n = self.cfg.multi_step
+        return n > 1 and self._since_prefill % n != 0 and bool(self._running)
 
     # ------------------------------------------------------------------ fast path (simulator)
     def decode_horizon(self, now: float, finishing: bool = False) -> int:

@@ -218,7 +218,10 @@ class Replica:
         self.sched = Scheduler(sc, host_kv_capacity=sim.host_kv, max_model_len=sim.max_model_len)
         self.clock = 0.0
         self.tracks: dict[str, Track] = {}
-        self.fast = cfg.fast
+        # multi-step windows hand tokens out at the window's end, which the fast path's
+        # per-step token times would not; 500-request runs step one by one quickly enough
+        self.fast = cfg.fast and sc.multi_step <= 1
+        self._held: list = []          # outputs of a multi-step window, handed out at its end
         self.ts = Series(4) if cfg.timeseries else None     # kv_used, kv_cached, running, waiting
         self.cached_peak = 0
         self.steps = 0
@@ -315,12 +318,14 @@ class Replica:
         self._planned = (None, None)    # schedule() may change the state even when it runs nothing
         sched = self.sched
         t0 = self.clock
+        continues = sched.in_window
         batch = sched.schedule(t0)
         self._check_preempted(t0)
         if batch.empty:
             # schedule() can end a request without running anything (an error such as a
             # request that alone outgrows the pool); on_step hands out that terminal output.
-            self._handle_outputs(sched.on_step(batch, StepResult(), t0), t0)
+            outs, self._held = self._held + sched.on_step(batch, StepResult(), t0), []
+            self._handle_outputs(outs, t0)
             self._sample_ts()
             return False
         tracks = self.tracks
@@ -329,13 +334,27 @@ class Replica:
             if tr is not None and tr.state in ("queued", "preempted"):
                 tr.move("prefill", t0)
         res = self.exec.execute(batch)
-        t1 = t0 + res.step_time
+        dt = res.step_time
+        if continues:
+            # vLLM v0.6 multi-step: the scheduler runs and the inputs are prepared once per
+            # window (the fixed overhead, paid at its first step); every token of every
+            # request still goes through output processing, so the per-request term stays
+            dt = max(0.0, dt - self.cost.overhead[0])
+        t1 = t0 + dt
         self.clock = t1
         if self.batches is not None:
             self.batches.append((self.idx, t0, [(s.req.req_id, s.start_pos, len(s.token_ids)) for s in batch.seqs]))
         outs = sched.on_step(batch, res, t1)
         self.steps += 1
-        self._handle_outputs(outs, t1)
+        if sched.in_window:
+            # the window's tokens (and the ends of requests inside it) reach the client at
+            # its end, all at once: vLLM v0.6 processes a window's outputs after its last step
+            self._held.extend(outs)
+        else:
+            if self._held:
+                outs = self._held + outs
+                self._held = []
+            self._handle_outputs(outs, t1)
         self._sample_ts()
         return True
 

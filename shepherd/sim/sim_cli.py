@@ -39,6 +39,9 @@ def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--no-prefix-cache", action="store_true")
     k.add_argument("--max-consecutive-prefill", type=int, default=s.max_consecutive_prefill)
     k.add_argument("--decode-first-prefill-every", type=int, default=s.decode_first_prefill_every)
+    k.add_argument("--multi-step", type=int, default=s.multi_step,
+                   help="vLLM v0.6 --num-scheduler-steps: decode windows of N steps, nothing joins inside one, "
+                        "the fixed step overhead paid once per window, tokens handed out at its end")
     k.add_argument("--aging-steps", type=int, default=s.aging_steps,
                    help="a request waiting this many steps is served first under any policy")
 
@@ -113,8 +116,8 @@ def scheduler_config(args) -> SchedulerConfig:
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
         admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
         prefix_cache=not args.no_prefix_cache, max_consecutive_prefill=args.max_consecutive_prefill,
-        decode_first_prefill_every=args.decode_first_prefill_every, aging_steps=args.aging_steps,
-        seed=args.seed)
+        decode_first_prefill_every=args.decode_first_prefill_every, multi_step=args.multi_step,
+        aging_steps=args.aging_steps, seed=args.seed)
     return cfg
 
 
