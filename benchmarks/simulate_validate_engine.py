@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+from shepherd.bench import loadgen
 
 PY = sys.executable
 
@@ -69,15 +69,7 @@ def main() -> None:
                               stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{a.port}"
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise SystemExit("server did not come up")
+        loadgen.wait_healthy(url, server, timeout=600, what="shepherd serve")
         rows = []
         for i, w in enumerate(a.workloads.split(",")):
             name, rate, shared = w.split(":")

@@ -128,6 +128,8 @@ def _free_port() -> int:
 def bench_served(model, dtype, streams, max_tokens, kv_tokens: int, extra_args: list[str], label: str) -> dict:
     """`shepherd serve` in a process of its own, the openai client in this one."""
     import httpx
+
+    from shepherd.bench import loadgen
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "shepherd", "serve", model, "--port", str(port), "--dtype", dtype,
@@ -137,18 +139,7 @@ def bench_served(model, dtype, streams, max_tokens, kv_tokens: int, extra_args: 
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     res = {}
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"shepherd serve exited with {proc.returncode}: {' '.join(cmd)}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("shepherd serve did not become healthy")
-            time.sleep(0.5)
+        loadgen.wait_healthy(url, proc, timeout=600, what=f"shepherd serve ({' '.join(cmd)})")
         mid = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         body = {"ignore_eos": True}
         asyncio.run(fixed_concurrency(url, mid, questions(2), 2, 2, 8, body))          # warm-up

@@ -334,3 +334,21 @@ def test_prometheus_parse():
             'vllm:num_requests_waiting 1.0\n')
     m = loadgen.parse_prometheus(text)
     assert m["vllm:num_requests_running"] == 5 and m["vllm:num_requests_waiting"] == 1.0
+
+
+def test_wait_healthy_fails_fast_when_the_server_process_dies():
+    """A server that exits during start-up is reported with its exit code at once, not after
+    the whole start-up timeout; one that never answers times out with the URL in the error."""
+    import subprocess
+    import sys
+    import time as _time
+
+    from shepherd.bench import loadgen
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    t0 = _time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        loadgen.wait_healthy("http://127.0.0.1:9", proc, timeout=60, what="test server")
+    assert _time.monotonic() - t0 < 5
+    with pytest.raises(RuntimeError, match="127.0.0.1:9 not healthy"):
+        loadgen.wait_healthy("http://127.0.0.1:9", None, timeout=0.1)

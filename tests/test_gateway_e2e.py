@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from shepherd.bench import loadgen
+
 sys.path.insert(0, os.path.dirname(__file__))
 from gateway_fakes import free_port  # noqa: E402
 
@@ -22,17 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _wait_health(url, proc, timeout):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{url} not healthy after {timeout}s")
+    loadgen.wait_healthy(url, proc, timeout=timeout, what=f"process for {url}")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from shepherd.bench import loadgen
+
 openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -39,18 +41,10 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not healthy in time:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.25)
+        try:
+            loadgen.wait_healthy(url, proc, timeout=240)
+        except RuntimeError as e:
+            raise AssertionError(f"{e}:\n{log_path.read_text()[-4000:]}") from None
         yield url, proc, log_path
     finally:
         if proc.poll() is None:

@@ -77,6 +77,23 @@ def base_url(url: str) -> str:
     return u.rstrip("/")
 
 
+def wait_healthy(url: str, proc=None, timeout: float = 600.0, what: str = "the server") -> None:
+    """Poll GET url/health until it answers 200; raise if `proc` (a Popen) exits first or
+    `timeout` seconds pass, so a server that dies at start-up fails fast with its exit code."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if httpx.get(base_url(url) + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} at {url} not healthy after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
 def headers(api_key: Optional[str]) -> dict:
     return auth_headers(api_key)
 

@@ -228,8 +228,6 @@ def measure_served(args, ecfg) -> list[tuple[int, float, float]]:
     import statistics
     import subprocess
 
-    import httpx
-
     from shepherd.bench import loadgen, prompts
     from shepherd.bench.stream import tpot_of
     with socket.socket() as s:
@@ -245,17 +243,7 @@ def measure_served(args, ecfg) -> list[tuple[int, float, float]]:
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            if server.poll() is not None:
-                raise RuntimeError(f"`shepherd serve` exited with {server.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("`shepherd serve` did not come up in 150 s")
+        loadgen.wait_healthy(url, server, timeout=150, what="`shepherd serve`")
         tok = prompts.load_tokenizer(args.model)
         points = []
         for i, conc in enumerate((1, 1, args.served_concurrency)):   # the first is warm-up
