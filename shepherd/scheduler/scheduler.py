@@ -23,12 +23,9 @@ Step shape: with mixed_steps (the default, vLLM) every running decode gets its
 token first, then prefill chunks and admissions fill the rest of max_num_tokens;
 a step that had to preempt for decode KV admits nothing. Without it (or under
 a mode that never mixes) a step is a prefill step (decodes wait) or a decode
-step (SGLang): prefill-first, at most max_consecutive_prefill prefill steps in
-a row. With decode_first_prefill_every=N, prefills join only every N steps
-(LightLLM); with multi_step=N (vLLM v0.6) decodes run in windows of N steps
-and nothing joins inside one (`in_window`). A request is admitted only when
-its whole known sequence gets KV slots at once, so a chunked prefill never
-runs out of memory half-way.
+step; when prefills may join is step_gate.py's (SGLang, LightLLM, vLLM v0.6
+multi-step). A request is admitted only when its whole known sequence gets KV
+slots at once, so a chunked prefill never runs out of memory half-way.
 """
 from __future__ import annotations
 
@@ -39,7 +36,7 @@ from typing import Optional
 
 from shepherd.config import SchedulerConfig
 from shepherd.request import FinishReason, Request, RequestOutput, RequestState, context_error
-from shepherd.scheduler import fast_path, preemption
+from shepherd.scheduler import fast_path, preemption, step_gate
 from shepherd.scheduler.admission import AdmissionState, make_admission
 from shepherd.scheduler.kv_manager import KVManager
 from shepherd.scheduler.kv_pool import pages_for
@@ -336,15 +333,7 @@ class Scheduler:
         mixed = cfg.mixed_steps and self.admission.mixes_steps and has_decode
         if mixed and self.policy.may_preempt_now(self._waiting, self._running):
             mixed = False   # admit (and preempt) first, decodes follow next step
-        if cfg.decode_first_prefill_every > 0:
-            prefill_ok = (not has_decode) or self._since_prefill >= cfg.decode_first_prefill_every
-        elif cfg.multi_step > 1:
-            # windows are counted from the last prefill step, so a request that arrives
-            # mid-window waits for the window's end even if nothing waited at its start
-            prefill_ok = (not has_decode) or self._since_prefill % cfg.multi_step == 0
-        else:
-            m = cfg.max_consecutive_prefill
-            prefill_ok = (not has_decode) or m == 0 or self._consec_prefill < m or mixed
+        prefill_ok = step_gate.prefill_allowed(cfg, has_decode, self._since_prefill, self._consec_prefill, mixed)
 
         used = 0
         if mixed:
@@ -475,12 +464,8 @@ class Scheduler:
         return outs
 
     @property
-    def in_window(self) -> bool:
-        """multi_step > 1: the next step continues a decode window (nothing can join it);
-        the simulator charges the fixed step overhead once per window and hands the
-        window's tokens out at its end, as vLLM v0.6 does."""
-        n = self.cfg.multi_step
-        return n > 1 and self._since_prefill % n != 0 and bool(self._running)
+    def in_window(self) -> bool:   # see step_gate.in_window
+        return step_gate.in_window(self.cfg, self._since_prefill, bool(self._running))
 
     # ------------------------------------------------------------------ fast path (simulator)
     def decode_horizon(self, now: float, finishing: bool = False) -> int:

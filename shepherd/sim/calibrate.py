@@ -127,10 +127,8 @@ def main(args) -> int:
     ps = [int(x) for x in args.prompt_lens.split(",") if x]
     need = max(bs) * (max(ps) + args.decode_steps + 8)
     ecfg = EngineConfig(model=args.model, executor="torch")
-    if args.dtype:
-        ecfg.dtype = args.dtype
-    if args.num_threads:
-        ecfg.num_threads = args.num_threads
+    ecfg.dtype = args.dtype or ecfg.dtype
+    ecfg.num_threads = args.num_threads or ecfg.num_threads
     ecfg.max_total_tokens = args.max_total_tokens or need
     sc = SchedulerConfig(max_total_tokens=ecfg.max_total_tokens, max_batch_size=max(bs),
                          prefix_cache=False, admission="guaranteed")
@@ -178,20 +176,10 @@ def main(args) -> int:
     model.meta["overhead_samples"] = len(host)
     if args.served:
         del ex   # the server loads its own copy; two would compete for memory bandwidth
-        points = measure_served(args, ecfg)
-        model.set_overhead(0.0, 0.0)
-        sfixed, sper = fit_served_overhead(points, model)
-        model.meta["served_overhead"] = {"points": [list(p) for p in points], "fixed": sfixed, "per_req": sper,
-                                         "scheduler_fixed": fixed, "scheduler_per_req": per_req}
-        # the served figure includes the scheduler's work, so it replaces it, but never goes below it
-        fixed, per_req = max(fixed, sfixed), max(per_req, sper)
-        model.set_overhead(fixed, per_req)
+        fixed, per_req = served_overhead(args, ecfg, model)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)
-    from dataclasses import asdict
-    with open(args.samples_out or _samples_path(args.out), "w") as f:
-        for s, t in samples:
-            f.write(json.dumps({"shape": asdict(s), "seconds": t}) + "\n")
+    _write_samples(args.samples_out or _samples_path(args.out), samples)
     m = model.meta
     print(f"calibrate: {len(samples)} samples, fit error mean {m['fit_mean_rel_err']:.1%}, "
           f"median {m['fit_median_rel_err']:.1%}, max {m['fit_max_rel_err']:.1%}; decode step B=1 at 128 ctx "
@@ -200,6 +188,21 @@ def main(args) -> int:
           f"{fixed * 1e3:.3f} ms + {per_req * 1e6:.1f} us/request per step; wrote {args.out}",
           file=sys.stderr)
     return 0
+
+
+def served_overhead(args, ecfg, model) -> tuple[float, float]:
+    """Measure the served path (measure_served), fit its overhead and set it on `model`; the
+    served figure includes the scheduler's work, so it replaces the scheduler's fit but never
+    goes below it. Returns the (fixed, per request) now set; the details go to model.meta."""
+    fixed, per_req = model.overhead
+    points = measure_served(args, ecfg)
+    model.set_overhead(0.0, 0.0)
+    sfixed, sper = fit_served_overhead(points, model)
+    model.meta["served_overhead"] = {"points": [list(p) for p in points], "fixed": sfixed, "per_req": sper,
+                                     "scheduler_fixed": fixed, "scheduler_per_req": per_req}
+    fixed, per_req = max(fixed, sfixed), max(per_req, sper)
+    model.set_overhead(fixed, per_req)
+    return fixed, per_req
 
 
 def fit_served_overhead(points, model) -> tuple[float, float]:
@@ -284,6 +287,13 @@ def fit_overhead(host: list) -> tuple[float, float]:
     if a < 0:
         return 0.0, float(max((t / n).mean(), 0.0))
     return float(a), float(b)
+
+
+def _write_samples(path: str, samples) -> None:
+    from dataclasses import asdict
+    with open(path, "w") as f:
+        for s, t in samples:
+            f.write(json.dumps({"shape": asdict(s), "seconds": t}) + "\n")
 
 
 def _samples_path(out: str) -> str:
