@@ -109,13 +109,16 @@ def test_prefix_aware_keeps_a_shared_prefix_on_one_replica(stack):
             assert r.status_code == 200, r.text
             served.append(r.headers["x-shepherd-backend"])
         assert len(set(served)) == 1, served
-        # unrelated prompts spread over both replicas
-        other = []
-        for i in range(4):
-            r = c.post("/v1/completions", json={"prompt": f"{i} unrelated topic number {i * 7919}: " + "xyz " * (35 + i),
-                                                "max_tokens": 4, "temperature": 0})
+        # unrelated prompts in flight together spread over both replicas (sent one after another,
+        # each would go wherever the replicas' last polled metrics said was idle: a race, not routing)
+        def unrelated(i):
+            r = httpx.post(g + "/v1/completions", timeout=60,
+                           json={"prompt": f"{i} unrelated topic number {i * 7919}: " + "xyz " * (35 + i),
+                                 "max_tokens": 32, "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
-            other.append(r.headers["x-shepherd-backend"])
+            return r.headers["x-shepherd-backend"]
+        with cf.ThreadPoolExecutor(4) as pool:
+            other = list(pool.map(unrelated, range(4)))
         assert len(set(other)) == 2, other
         # streaming through the gateway ends with [DONE]
         with c.stream("POST", "/v1/chat/completions",
