@@ -31,7 +31,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -119,18 +118,12 @@ def bench_shepherd(model, dtype, batch_invariant, streams, max_tokens, prompts_a
 
 
 # ----------------------------------------------------------------------------- shepherd served
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_served(model, dtype, streams, max_tokens, kv_tokens: int, extra_args: list[str], label: str) -> dict:
     """`shepherd serve` in a process of its own, the openai client in this one."""
     import httpx
 
     from shepherd.bench import loadgen
-    port = _free_port()
+    port = loadgen.free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "shepherd", "serve", model, "--port", str(port), "--dtype", dtype,
            "--max-total-tokens", str(kv_tokens), "--max-batch-size", str(max(256, max(streams))),

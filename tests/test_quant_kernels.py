@@ -302,4 +302,3 @@ def test_bf16_gemm_form_override_is_checked(monkeypatch):
     monkeypatch.setenv("SHEPHERD_BF16_MM", "amx")
     with pytest.raises(ValueError, match="fma, dpbf16"):
         kernels.bf16_form(lib)
-    monkeypatch.setattr(kernels, "_form", None)

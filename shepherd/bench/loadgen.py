@@ -77,6 +77,14 @@ def base_url(url: str) -> str:
     return u.rstrip("/")
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server this process starts)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_healthy(url: str, proc=None, timeout: float = 600.0, what: str = "the server") -> None:
     """Poll GET url/health until it answers 200; raise if `proc` (a Popen) exits first or
     `timeout` seconds pass, so a server that dies at start-up fails fast with its exit code."""

@@ -227,18 +227,14 @@ def measure_served(args, ecfg) -> list[tuple[int, float, float]]:
     started here. The concurrent requests start together, so their TPOT spans
     decode-only steps of that batch, which is what the fit subtracts."""
     import asyncio
-    import socket
     import statistics
     import subprocess
 
     from shepherd.bench import loadgen, prompts
     from shepherd.bench.stream import tpot_of
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--dtype", ecfg.dtype]
-    if args.model:
-        cmd.insert(4, args.model)
+    port = loadgen.free_port()
+    cmd = [sys.executable, "-m", "shepherd", "serve", *([args.model] if args.model else []),
+           "--port", str(port), "--dtype", ecfg.dtype]
     if ecfg.num_threads:
         cmd += ["--num-threads", str(ecfg.num_threads)]
     cmd += args.served_args.split()
