@@ -199,6 +199,40 @@ def test_row_bits_do_not_depend_on_batch(ex, prompts):
         assert torch.equal(lg[i], solo[i]), f"request {i}: logits differ in a batch"
 
 
+def test_whole_forward_equals_one_call_per_op(ex, prompts):
+    """The layer stack in one kernel call (kernels.c forward_bf16) gives the same logits bits as
+    one call per op, on a ragged step of prefills beside decodes."""
+    m = ex.model
+    if getattr(m, "layer_ptrs", None) is None:
+        pytest.skip("this path calls one kernel per op")
+    loop = Loop(ex, seed=8)
+    reqs = []
+    for i, p in enumerate(prompts[:8]):
+        r = Request(req_id=f"whole{i}", prompt_ids=list(p), params=SamplingParams(max_tokens=4, temperature=0.0))
+        r.slots = [loop.free.pop() for _ in range(len(p) + 2)]
+        reqs.append(r)
+    first, second = reqs[:4], reqs[4:]
+
+    def run(whole: bool) -> list:
+        m.whole_forward = whole
+        with torch.inference_mode():
+            a, _ = ex.forward_logits([ScheduledSeq(req=r, token_ids=r.prompt_ids, start_pos=0, sample=True,
+                                                   fresh=True) for r in first])
+            toks = a.argmax(-1).tolist()
+            mixed = [ScheduledSeq(req=r, token_ids=[t], start_pos=len(r.prompt_ids), sample=True)
+                     for r, t in zip(first, toks)]
+            mixed += [ScheduledSeq(req=r, token_ids=r.prompt_ids, start_pos=0, sample=True, fresh=True)
+                      for r in second]
+            b, _ = ex.forward_logits(mixed)
+        return [a.clone(), b.clone()]
+
+    try:
+        whole, per_op = run(True), run(False)
+    finally:
+        m.whole_forward = True
+    assert all(torch.equal(x, y) for x, y in zip(whole, per_op))
+
+
 def test_non_invariant_mode_is_a_real_switch(ex, prompts):
     """Sanity: the fast mode runs the other attention path (and still produces tokens)."""
     ex.model.batch_invariant = False

@@ -290,26 +290,37 @@ static inline __attribute__((always_inline)) void attention_item_bf16(
     }
 }
 
+/* the items of one attention call, shared out by an orphaned `omp for` (so it runs inside the
+ * caller's parallel region: attention_vec_bf16's own, or forward_bf16's); sc: this thread's
+ * scratch of G * npad floats */
+static void attention_items_bf16(float *sc, int64_t npad, const uint16_t *q, int64_t q_stride,
+                                 const uint16_t *pool, int64_t cap1, uint16_t *out, int64_t rows, int64_t H,
+                                 int64_t KVH, int64_t hd, const int64_t *slot_tab, const int64_t *off,
+                                 const int64_t *ctx, float scale) {
+    const int64_t G = H / KVH, C = hd / 32;
+    #pragma omp for schedule(static)
+    for (int64_t item = 0; item < rows * KVH; item++) {
+#define ATT_ITEM(g, c) attention_item_bf16(item, g, c, sc, npad, q, q_stride, pool, cap1, out, rows, H, KVH, \
+                                           hd, slot_tab, off, ctx, scale)
+        /* the shapes of the models we serve (SmolLM2-135M: 3 x 64; Llama-3: 4 x 128), then any */
+        if (G == 3 && C == 2) ATT_ITEM(3, 2);
+        else if (G == 4 && C == 4) ATT_ITEM(4, 4);
+        else if (G == 4 && C == 2) ATT_ITEM(4, 2);
+        else if (G == 1 && C == 2) ATT_ITEM(1, 2);
+        else ATT_ITEM(G, C);
+#undef ATT_ITEM
+    }
+}
+
 static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1,
                                uint16_t *out, int64_t rows, int64_t H, int64_t KVH, int64_t hd,
                                const int64_t *slot_tab, const int64_t *off, const int64_t *ctx,
                                int64_t max_ctx, float scale) {
-    const int64_t G = H / KVH, C = hd / 32, npad = (max_ctx + 15) / 16 * 16;
+    const int64_t G = H / KVH, npad = (max_ctx + 15) / 16 * 16;
     #pragma omp parallel
     {
         float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(G * npad + 16));
-        #pragma omp for schedule(static)
-        for (int64_t item = 0; item < rows * KVH; item++) {
-#define ATT_ITEM(g, c) attention_item_bf16(item, g, c, sc, npad, q, q_stride, pool, cap1, out, rows, H, KVH, \
-                                           hd, slot_tab, off, ctx, scale)
-            /* the shapes of the models we serve (SmolLM2-135M: 3 x 64; Llama-3: 4 x 128), then any */
-            if (G == 3 && C == 2) ATT_ITEM(3, 2);
-            else if (G == 4 && C == 4) ATT_ITEM(4, 4);
-            else if (G == 4 && C == 2) ATT_ITEM(4, 2);
-            else if (G == 1 && C == 2) ATT_ITEM(1, 2);
-            else ATT_ITEM(G, C);
-#undef ATT_ITEM
-        }
+        attention_items_bf16(sc, npad, q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, scale);
         free(sc);
     }
 }
@@ -597,23 +608,23 @@ static inline void bf16_store(__m512 v, const uint16_t *bias, void *y, int64_t o
         default: block(xb, K, 1, wt, 4, acc, pf, pfn); break;       \
     }
 
-/* dp: 1 for the vdpbf16ps form (only where the CPU has it), 0 for the FMA form */
-void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
-             const uint16_t *bias, void *y, int out_f32, int dp) {
-    const int64_t NT = N / 16, NU = (NT + 3) / 4, RB = (rows + BF_ROWS - 1) / BF_ROWS;
-#if !defined(__AVX512BF16__)
-    dp = 0;
-#endif
-    float *xf = NULL;
-    if (!dp) {   /* the FMA form reads x as float32: converted once, not once per tile */
-        xf = malloc(sizeof(float) * rows * K);
-        int64_t i = 0;
-        for (; i + 16 <= rows * K; i += 16) _mm512_storeu_ps(xf + i, v_bf2f(x + i));
-        for (; i < rows * K; i++) xf[i] = bf2f(x[i]);
+/* x as float32 for the FMA form (converted once, not once per tile), by the calling team */
+static void bf16_to_f32_for(const uint16_t *x, float *xf, int64_t n) {
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i += 16) {
+        if (i + 16 <= n) _mm512_storeu_ps(xf + i, v_bf2f(x + i));
+        else for (int64_t j = i; j < n; j++) xf[j] = bf2f(x[j]);
     }
+}
+
+/* The items of one bf16 GEMM, shared out by an orphaned `omp for` (bf16_mm's region, or
+ * forward_bf16's). xf: x as float32 for the FMA form (dp == 0), unused by the dp form. */
+static void bf16_mm_items(const uint16_t *x, const float *xf, int64_t rows, int64_t K, const uint16_t *w,
+                          int64_t N, const uint16_t *bias, void *y, int out_f32, int dp) {
+    const int64_t NT = N / 16, NU = (NT + 3) / 4, RB = (rows + BF_ROWS - 1) / BF_ROWS;
     /* one item per (4-tile unit, row block), unit-major: a thread's contiguous share re-reads
      * a unit's weights from its own cache across row blocks, and 9 units still split evenly */
-    #pragma omp parallel for schedule(static) if(NU * RB > 1)
+    #pragma omp for schedule(static)
     for (int64_t it = 0; it < NU * RB; it++) {
         const int64_t t0 = 4 * (it / RB), r0 = BF_ROWS * (it % RB);
         const int C = NT - t0 < 4 ? (int)(NT - t0) : 4;
@@ -637,8 +648,82 @@ void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int6
             for (int c = 0; c < C; c++)
                 bf16_store(acc[r][c], bias ? bias + 16 * (t0 + c) : NULL, y, (r0 + r) * N + 16 * (t0 + c), out_f32);
     }
+}
+
+/* dp: 1 for the vdpbf16ps form (only where the CPU has it), 0 for the FMA form */
+void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
+             const uint16_t *bias, void *y, int out_f32, int dp) {
+    const int64_t NT = N / 16, NU = (NT + 3) / 4, RB = (rows + BF_ROWS - 1) / BF_ROWS;
+#if !defined(__AVX512BF16__)
+    dp = 0;
+#endif
+    float *xf = dp ? NULL : malloc(sizeof(float) * rows * K);
+    if (xf) bf16_to_f32_for(x, xf, rows * K);
+    #pragma omp parallel if(NU * RB > 1)
+    bf16_mm_items(x, xf, rows, K, w, N, bias, y, out_f32, dp);
     free(xf);
 }
+#endif
+
+/* ---------------------------------------------------------------- the layer stack in one parallel region
+ * forward_bf16 runs every layer of a bf16 model whose linear layers are bf16_mm tiles with the
+ * per-op path's kernels and per-row arithmetic (llama.py's _forward_fused), so its output is
+ * bit-identical to it. What it saves is the ~9 calls a layer makes from Python, each with its
+ * ctypes call, output allocation and OpenMP fork/join: here the ops are separated by the
+ * barriers that end each `omp for`, and the threads stay in one region for the whole stack.
+ * lw: LW_N pointers per layer (below); 0 for no qkv bias, and for the last layer's next norm.
+ * On entry h = rmsnorm(x) * ln1 of layer 0; on return x is the residual stream after the last
+ * layer (h, qkv, att, gu, act, tmp: scratch of M rows; xf: M * max(K) floats, FMA form only). */
+enum { LW_QKV, LW_QKV_B, LW_O, LW_GU, LW_DOWN, LW_LN2, LW_LN1_NEXT, LW_N };
+
+int forward_bf16_supports(int64_t H, int64_t KVH, int64_t hd) {
+#if defined(__AVX512BF16__)
+    return hd % 32 == 0 && hd / 32 <= AMAXC && H % KVH == 0 && H / KVH <= AMAXG;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+#define PTR(t, v) ((t)(intptr_t)(v))
+static inline void mm_in_region(const uint16_t *x, float *xf, int64_t M, int64_t K, int64_t w, int64_t N,
+                                int64_t bias, uint16_t *y, int dp) {
+    if (!dp) bf16_to_f32_for(x, xf, M * K);
+    bf16_mm_items(x, xf, M, K, PTR(const uint16_t *, w), N, PTR(const uint16_t *, bias), y, 0, dp);
+}
+
+void forward_bf16(int64_t L, const int64_t *lw, uint16_t *x, uint16_t *h, uint16_t *qkv, uint16_t *att,
+                  uint16_t *gu, uint16_t *act, uint16_t *tmp, float *xf, int64_t M, int64_t D, int64_t H,
+                  int64_t KVH, int64_t hd, int64_t I, const int64_t *pos, const float *cos_t,
+                  const float *sin_t, uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots,
+                  const int64_t *slot_tab, const int64_t *off, const int64_t *ctx, int64_t max_ctx,
+                  float scale, float eps, int dp) {
+    const int64_t W = (H + 2 * KVH) * hd, npad = (max_ctx + 15) / 16 * 16;
+    #pragma omp parallel
+    {
+        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(H / KVH * npad + 16));
+        for (int64_t l = 0; l < L; l++) {
+            const int64_t *p = lw + l * LW_N;
+            uint16_t *pl = pool + l * layer_elems;
+            const uint16_t *ln2 = PTR(const uint16_t *, p[LW_LN2]), *ln1 = PTR(const uint16_t *, p[LW_LN1_NEXT]);
+            mm_in_region(h, xf, M, D, p[LW_QKV], W, p[LW_QKV_B], qkv, dp);
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++) rope_kv_row_bf16(r, qkv, H, KVH, hd, pos, cos_t, sin_t, pl, cap1, slots);
+            attention_items_bf16(sc, npad, qkv, W, pl, cap1, att, M, H, KVH, hd, slot_tab, off, ctx, scale);
+            mm_in_region(att, xf, M, H * hd, p[LW_O], D, 0, tmp, dp);
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++) rmsnorm_row_bf16(r, x, tmp, x, ln2, h, D, eps);
+            mm_in_region(h, xf, M, D, p[LW_GU], 2 * I, 0, gu, dp);
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++) silu_mul_row_bf16(r, gu, act, I);
+            mm_in_region(act, xf, M, I, p[LW_DOWN], D, 0, tmp, dp);
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++) rmsnorm_row_bf16(r, x, tmp, x, ln1, ln1 ? h : NULL, D, eps);
+        }
+        free(sc);
+    }
+}
+#undef PTR
 #endif
 
 /* ---------------------------------------------------------------- int8 weights x bf16 activations

@@ -111,6 +111,12 @@ def load():
             lib.bf16_mm.restype = None
             lib.bf16_dp_pays.restype = lib.has_bf16_dp.restype = ctypes.c_int
         lib.has_w8_mm.restype = ctypes.c_int
+        lib.forward_bf16_supports.argtypes = [_I, _I, _I]
+        lib.forward_bf16_supports.restype = ctypes.c_int
+        if hasattr(lib, "forward_bf16"):
+            lib.forward_bf16.argtypes = [_I, _P] + [_P] * 8 + [_I] * 6 + [_P] * 4 + [_I, _I, _P, _P, _P, _P, _I,
+                                                                                _F, _F, ctypes.c_int]
+            lib.forward_bf16.restype = None
         if lib.has_w8_mm():
             lib.w8_mm_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int]
             lib.w8_mm_bf16.restype = None
@@ -178,6 +184,27 @@ class Kernels:
         self.bf16_mm = dtype == torch.bfloat16 and bool(lib.has_bf16_mm())   # bf16 weights, fp32 sums
         self.bf16_form = bf16_form(lib) if self.bf16_mm else None
         self.w8 = dtype == torch.bfloat16 and bool(lib.has_w8_mm())          # int8 weights x bf16
+        self.whole_forward = self.bf16_mm and hasattr(lib, "forward_bf16")   # the layer stack in one call
+
+    def forward_supports(self, H: int, KVH: int, hd: int) -> bool:
+        return self.whole_forward and bool(self._lib.forward_bf16_supports(H, KVH, hd))
+
+    def forward_layers(self, lw, x, h, H, KVH, hd, I, pos, cos, sin, kv_pool, slots, slot_tab, off, ctx,
+                       max_ctx, scale, eps) -> None:
+        """All layers at once (kernels.c forward_bf16): x [T, D] is updated in place to the residual
+        stream after the last layer; h [T, D] holds rmsnorm(x) * ln1 of layer 0 on entry (scratch
+        after). lw: int64 [layers * 7] weight pointers, built by LlamaModel."""
+        T, D = x.shape
+        W = (H + 2 * KVH) * hd
+        e = lambda n: torch.empty((T, n), dtype=torch.bfloat16)
+        qkv, att, gu, act, tmp = e(W), e(H * hd), e(2 * I), e(I), e(D)
+        dp = self.bf16_form == "dpbf16"
+        xf = torch.empty(0 if dp else T * max(D, H * hd, I), dtype=torch.float32)
+        self._lib.forward_bf16(kv_pool.shape[0], lw.data_ptr(), x.data_ptr(), h.data_ptr(), qkv.data_ptr(),
+                               att.data_ptr(), gu.data_ptr(), act.data_ptr(), tmp.data_ptr(), xf.data_ptr(), T, D,
+                               H, KVH, hd, I, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_pool.data_ptr(),
+                               kv_pool[0].numel(), kv_pool.shape[2], slots.data_ptr(), slot_tab.data_ptr(),
+                               off.data_ptr(), ctx.data_ptr(), max_ctx, scale, eps, int(dp))
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
         """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""

@@ -14,63 +14,72 @@ static inline float FN(vsum)(const float *x, int64_t n) {
 }
 
 /* x_out = x + delta (if delta), rounded to T; h = w * T(x_out * rsqrt(mean(x_out^2) + eps)) */
+static inline void FN(rmsnorm_row)(int64_t r, const T *x, const T *delta, T *x_out, const T *w, T *h,
+                                   int64_t D, float eps) {
+    const T *xr = x + r * D;
+    T *xo = x_out + r * D;
+    float a[LANES] = {0};
+    float buf[D];
+    for (int64_t i = 0; i < D; i++) {
+        float v = LD(xr[i]);
+        if (delta) { T t = ST(v + LD(delta[r * D + i])); xo[i] = t; v = LD(t); }
+        buf[i] = v;
+    }
+    int64_t i = 0;
+    for (; i + LANES <= D; i += LANES)
+        for (int l = 0; l < LANES; l++) a[l] += buf[i + l] * buf[i + l];
+    float ss = 0.f;
+    for (; i < D; i++) ss += buf[i] * buf[i];
+    ss += hsum(a);
+    float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    if (h) for (i = 0; i < D; i++) h[r * D + i] = ST(LD(w[i]) * LD(ST(buf[i] * inv)));
+}
+
 void FN(rmsnorm)(const T *x, const T *delta, T *x_out, const T *w, T *h,
                    int64_t rows, int64_t D, float eps) {
     #pragma omp parallel for schedule(static) if(rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const T *xr = x + r * D;
-        T *xo = x_out + r * D;
-        float a[LANES] = {0};
-        float buf[D];
-        for (int64_t i = 0; i < D; i++) {
-            float v = LD(xr[i]);
-            if (delta) { T t = ST(v + LD(delta[r * D + i])); xo[i] = t; v = LD(t); }
-            buf[i] = v;
-        }
-        int64_t i = 0;
-        for (; i + LANES <= D; i += LANES)
-            for (int l = 0; l < LANES; l++) a[l] += buf[i + l] * buf[i + l];
-        float ss = 0.f;
-        for (; i < D; i++) ss += buf[i] * buf[i];
-        ss += hsum(a);
-        float inv = 1.0f / sqrtf(ss / (float)D + eps);
-        if (h) for (i = 0; i < D; i++) h[r * D + i] = ST(LD(w[i]) * LD(ST(buf[i] * inv)));
-    }
+    for (int64_t r = 0; r < rows; r++) FN(rmsnorm_row)(r, x, delta, x_out, w, h, D, eps);
 }
 
 /* RoPE (rotate-half) on the q and k heads of qkv [rows, (H + 2*KVH) * hd], in place; then the
  * row's k and v heads are written to pool[kvh][slot] and pool[KVH + kvh][slot]. */
+static inline void FN(rope_kv_row)(int64_t r, T *qkv, int64_t H, int64_t KVH, int64_t hd,
+                                   const int64_t *pos, const float *cos_t, const float *sin_t,
+                                   T *pool, int64_t cap1, const int64_t *slots) {
+    const int64_t half = hd / 2, W = (H + 2 * KVH) * hd;
+    T *row = qkv + r * W;
+    const float *c = cos_t + pos[r] * half, *s = sin_t + pos[r] * half;
+    for (int64_t h = 0; h < H + KVH; h++) {
+        T *x = row + h * hd;
+        for (int64_t i = 0; i < half; i++) {
+            float x1 = LD(x[i]), x2 = LD(x[i + half]);
+            x[i] = ST(x1 * c[i] - x2 * s[i]);
+            x[i + half] = ST(x2 * c[i] + x1 * s[i]);
+        }
+    }
+    for (int64_t j = 0; j < 2 * KVH; j++)
+        memcpy(pool + (j * cap1 + slots[r]) * hd, row + (H + j) * hd, hd * sizeof(T));
+}
+
 void FN(rope_kv)(T *qkv, int64_t rows, int64_t H, int64_t KVH, int64_t hd,
                    const int64_t *pos, const float *cos_t, const float *sin_t,
                    T *pool, int64_t cap1, const int64_t *slots) {
-    const int64_t half = hd / 2, W = (H + 2 * KVH) * hd;
-    for (int64_t r = 0; r < rows; r++) {
-        T *row = qkv + r * W;
-        const float *c = cos_t + pos[r] * half, *s = sin_t + pos[r] * half;
-        for (int64_t h = 0; h < H + KVH; h++) {
-            T *x = row + h * hd;
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = LD(x[i]), x2 = LD(x[i + half]);
-                x[i] = ST(x1 * c[i] - x2 * s[i]);
-                x[i + half] = ST(x2 * c[i] + x1 * s[i]);
-            }
-        }
-        for (int64_t j = 0; j < 2 * KVH; j++)
-            memcpy(pool + (j * cap1 + slots[r]) * hd, row + (H + j) * hd, hd * sizeof(T));
+    for (int64_t r = 0; r < rows; r++) FN(rope_kv_row)(r, qkv, H, KVH, hd, pos, cos_t, sin_t, pool, cap1, slots);
+}
+
+static inline void FN(silu_mul_row)(int64_t r, const T *gu, T *out, int64_t I) {
+    const T *restrict gp = gu + r * 2 * I, *restrict up = gp + I;
+    T *restrict op = out + r * I;
+    int64_t i = VSILU(gp, up, op, I);
+    for (; i < I; i++) {
+        float g = LD(gp[i]);
+        op[i] = ST(g / (1.0f + fexp(-g)) * LD(up[i]));
     }
 }
 
 void FN(silu_mul)(const T *gu, T *out, int64_t rows, int64_t I) {
     #pragma omp parallel for schedule(static) if(rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const T *restrict gp = gu + r * 2 * I, *restrict up = gp + I;
-        T *restrict op = out + r * I;
-        int64_t i = VSILU(gp, up, op, I);
-        for (; i < I; i++) {
-            float g = LD(gp[i]);
-            op[i] = ST(g / (1.0f + fexp(-g)) * LD(up[i]));
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) FN(silu_mul_row)(r, gu, out, I);
 }
 
 /* W8A8: each row of x -> int8 q with one scale s = max|x| / 127 (q = round-half-even(x / s)).

@@ -196,6 +196,7 @@ class LlamaModel:
         self.min_rows = 4 if dtype == torch.bfloat16 else 8
         self.attn_min_rows = 1 if dtype == torch.bfloat16 else 8
         self.row_tile = 0
+        self.whole_forward = True   # False: one kernel call per op even where forward_layers applies
         esz = torch.empty((), dtype=dtype).element_size()
         self._word = torch.int64 if (self.hd * esz) % 8 == 0 else dtype
         W = weights
@@ -235,6 +236,26 @@ class LlamaModel:
         self.sin_signed = (sin * sign).to(dtype).to(self.device)   # rotate_half(x) * sin == roll(x, half) * sin_signed
         self.cos_half = cos[:, :half].contiguous()  # float32 tables for the fused RoPE
         self.sin_half = sin[:, :half].contiguous()
+        self.layer_ptrs = self._layer_ptrs()
+
+    def _layer_ptrs(self) -> Optional[torch.Tensor]:
+        """The weight pointers kernels.forward_layers walks (7 a layer, kernels.c's LW_* order), where
+        every linear layer is a bf16_mm one; None: the forward calls one kernel per op."""
+        k = self.kernels
+        if k is None or not k.forward_supports(self.H, self.KVH, self.hd):
+            return None
+        names = ("qkv", "o", "gu", "down")
+        if not all(isinstance(L[n], Linear) and L[n].tiles is not None for L in self.layers for n in names):
+            return None
+        if any(L[n].b is not None for L in self.layers for n in ("o", "gu", "down")):
+            return None
+        ptr = lambda t: 0 if t is None else t.data_ptr()
+        rows = []
+        for i, L in enumerate(self.layers):
+            nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else None
+            rows += [ptr(L["qkv"].tiles), ptr(L["qkv"].b), ptr(L["o"].tiles), ptr(L["gu"].tiles),
+                     ptr(L["down"].tiles), ptr(L["ln2"]), ptr(nxt)]
+        return torch.tensor(rows, dtype=torch.int64)   # the tensors stay alive in self.layers
 
     def _linear(self, W: dict, Q: dict, names: list[str], bias=None):
         """One linear layer over the row-concatenation of `names` (fused QKV, gate-up)."""
@@ -304,6 +325,11 @@ class LlamaModel:
         H, KVH, hd, eps = self.H, self.KVH, self.hd, self.eps
         x = F.embedding(inp.input_ids, self.embed)
         h = k.rmsnorm(x, self.layers[0]["ln1"], eps)
+        if self.layer_ptrs is not None and self.whole_forward:
+            k.forward_layers(self.layer_ptrs, x, h, H, KVH, hd, self.I, inp.positions, self.cos_half,
+                             self.sin_half, kv_pool, inp.slots, inp.slot_tab, inp.row_off, inp.row_ctx,
+                             inp.max_ctx, self.scale, eps)
+            return self._logits(x, inp)
         for li, L in enumerate(self.layers):
             pool = kv_pool[li]
             qkv = L["qkv"](h)
@@ -316,9 +342,12 @@ class LlamaModel:
                 k.rmsnorm(x, self.layers[li + 1]["ln1"], eps, delta=d, h=h)
             else:
                 x = x + d
+        return self._logits(x, inp)
+
+    def _logits(self, x: torch.Tensor, inp: StepInput) -> torch.Tensor:
         if inp.logits_index is not None:
             x = x.index_select(0, inp.logits_index)
-        return self.lm_head.logits(k.rmsnorm(x.contiguous(), self.final_norm, eps))
+        return self.lm_head.logits(self.kernels.rmsnorm(x.contiguous(), self.final_norm, self.eps))
 
     def attention(self, q: torch.Tensor, kvp: torch.Tensor, groups: list[AttnGroup], T: int) -> torch.Tensor:
         """q: [T, H, hd] (RoPE applied). Returns [T, H*hd]."""
