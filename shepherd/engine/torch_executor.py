@@ -188,6 +188,7 @@ class TorchExecutor:
         self._arange = torch.arange(max(self.max_model_len, 1) + kv_block, dtype=torch.long)
         self._zeros = torch.zeros(16, dtype=torch.long)
         self._scratch = torch.full((16,), cap, dtype=torch.long)
+        self._scratch_slot = cap
         self._head_off = (torch.arange(2 * mcfg.num_kv_heads, dtype=torch.long) * (cap + 1)).view(-1, 1)
         log.info("model %s loaded in %.1fs (%s, weights %s, %d layers, batch_invariant=%s, kernels=%s, "
                  "device=%s, threads=%d)", self.model_name, time.perf_counter() - t0,
@@ -297,19 +298,31 @@ class TorchExecutor:
             yield s, n, ctx, self._state(s).sync(ctx, s.fresh)
 
     def build_input_fused(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
-        """Input of the fused path: per row its slot, and where its keys are in slot_tab."""
+        """Input of the fused path: per row its slot, and where its keys are in slot_tab. Per-row
+        values are gathered as Python ints and become one tensor each: a decode row costs no torch
+        call of its own (64 rows: 0.9 ms of small tensor ops before)."""
         ids: list[int] = []
-        pos_parts, write_parts, tab_parts, off_parts, ctx_parts = [], [], [], [], []
+        pos: list[int] = []
+        write: list[int] = []
+        off: list[int] = []
+        rctx: list[int] = []
+        tab_parts = []
         logits_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
         row = tab = max_ctx = 0
         for s, n, ctx, sl in self._rows(seqs):
             ids.extend(s.token_ids)
-            pos_parts.append(self._arange[s.start_pos: ctx])
-            write_parts.append(sl[s.start_pos: ctx])
+            if n == 1:
+                pos.append(s.start_pos)
+                write.append(s.req.slots[s.start_pos])
+                off.append(tab)
+                rctx.append(ctx)
+            else:
+                pos.extend(range(s.start_pos, ctx))
+                write.extend(s.req.slots[s.start_pos: ctx])
+                off.extend([tab] * n)
+                rctx.extend(range(s.start_pos + 1, ctx + 1))
             tab_parts.append(sl)
-            off_parts.append(self._zeros_n(n) + tab)
-            ctx_parts.append(self._arange[s.start_pos + 1: ctx + 1])
             tab += ctx
             max_ctx = max(max_ctx, ctx)
             if s.sample:
@@ -319,23 +332,20 @@ class TorchExecutor:
         pad = self.model.min_rows - row if (self.model.batch_invariant and row < self.model.min_rows) else 0
         if pad:  # padding rows: token 0 at position 0 in the scratch slot, attending to itself
             ids.extend([0] * pad)
-            pos_parts.append(self._zeros[:pad])
-            write_parts.append(self._scratch[:pad])
+            pos.extend([0] * pad)
+            write.extend([self._scratch_slot] * pad)
             tab_parts.append(self._scratch[:1])
-            off_parts.append(self._zeros_n(pad) + tab)
-            ctx_parts.append(self._arange[1:2].expand(pad))
+            off.extend([tab] * pad)
+            rctx.extend([1] * pad)
             max_ctx = max(max_ctx, 1)
         T = row + pad
-        cat = lambda parts: torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        inp = StepInput(input_ids=torch.tensor(ids, dtype=torch.long), positions=cat(pos_parts),
-                        write_index=None, groups=[],
-                        logits_index=None if len(logits_rows) == T else torch.tensor(logits_rows, dtype=torch.long),
-                        num_tokens=T, slots=cat(write_parts), slot_tab=cat(tab_parts), row_off=cat(off_parts),
-                        row_ctx=cat(ctx_parts), max_ctx=max_ctx)
+        long = lambda xs: torch.tensor(xs, dtype=torch.long)
+        inp = StepInput(input_ids=long(ids), positions=long(pos), write_index=None, groups=[],
+                        logits_index=None if len(logits_rows) == T else long(logits_rows),
+                        num_tokens=T, slots=long(write),
+                        slot_tab=torch.cat(tab_parts) if len(tab_parts) > 1 else tab_parts[0].clone(),
+                        row_off=long(off), row_ctx=long(rctx), max_ctx=max_ctx)
         return inp, sampled
-
-    def _zeros_n(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.long)
 
     def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
         if self.model.kernels is not None:
