@@ -142,3 +142,27 @@ def test_calibrate_served_overhead_is_what_the_step_model_leaves_out():
     assert fit.decode_itl(160, 16) == pytest.approx(step16 + 1.2e-3 + 15 * 3e-4)   # the simulator now predicts it
     fit.set_overhead(0.0, 0.0)
     assert fit_served_overhead([(1, 160, step1 - 1e-3), (16, 160, step16 - 2e-3)], fit) == (0.0, 0.0)
+
+
+def test_overlap_output_step_is_fixed_plus_the_larger_of_gpu_and_cpu():
+    gpu = cm.RooflineCostModel("llama-3-8b", "h100").set_overhead(0.0, 0.0)
+    ovl = cm.make_cost_model("llama-3-8b", "h100", step_overhead=1e-3, seq_overhead=100e-6, overlap=True)
+    add = cm.make_cost_model("llama-3-8b", "h100", step_overhead=1e-3, seq_overhead=100e-6)
+    # 10 requests: 1 ms of output processing hides behind a ~6.5 ms forward
+    g10 = gpu.decode_step_time(10, 10 * 500)
+    assert 6e-3 < g10 < 7e-3
+    assert ovl.decode_step_time(10, 10 * 500) == pytest.approx(1e-3 + g10)
+    assert add.decode_step_time(10, 10 * 500) == pytest.approx(1e-3 + g10 + 1e-3)
+    # 200 requests: 20 ms of CPU outlasts the ~11 ms forward and sets the pace: 1 + 20 ms
+    assert gpu.decode_step_time(200, 200 * 500) < 12e-3
+    assert ovl.decode_step_time(200, 200 * 500) == pytest.approx(21e-3)
+    for n, ctx in ((10, 5000), (200, 100_000)):
+        # the fast path's vectorised times and ScheduledBatch pricing say the same, to the bit
+        assert ovl.decode_step_times(n, ctx, 2)[0] == ovl.decode_step_time(n, ctx)
+        assert ovl.shape_time(cm.BatchShape.decode([ctx // n] * n)) == pytest.approx(ovl.decode_step_time(n, ctx))
+    fit = fc.FittedCostModel(grid_tokens=[1, 256], grid_s=[5e-3, 9e-3], coef={"ctx_tokens": 1e-8})
+    fit.set_overhead(1e-3, 100e-6, overlap=True)
+    assert fit.decode_step_time(200, 0) == pytest.approx(21e-3)
+    assert fit.decode_step_time(10, 0) == pytest.approx(1e-3 + 5e-3 + 9 * 4e-3 / 255)
+    assert fit.decode_step_times(200, 0, 2)[0] == fit.decode_step_time(200, 0)
+    assert fc.FittedCostModel.from_json(fit.to_json()).overlap

@@ -324,3 +324,24 @@ def test_multi_step_hands_a_window_of_tokens_out_at_its_end():
     groups = [times[1 + 4 * w: 5 + 4 * w] for w in range(3)]
     assert all(len(set(g)) == 1 for g in groups)
     assert len({g[0] for g in groups}) == 3 and a.finish == groups[-1][0]
+
+
+def test_overlap_output_hides_a_small_batchs_output_processing_behind_the_forward():
+    tr = [TraceRequest(arrival=0.0, prompt_tokens=100, output_tokens=20, index=i) for i in range(4)]
+    sched = SchedulerConfig(mixed_steps=False, prefix_cache=False)
+
+    def ends(seq, overlap, fast=True):
+        cost = RooflineCostModel("llama-3-8b", "h100").set_overhead(1e-3, seq, overlap=overlap)
+        res = simulate(tr, SimConfig(scheduler=sched, kv_capacity=5000, fast=fast), cost)
+        return sorted(r.token_times[-1] for r in res.records)
+
+    bare = ends(0.0, False)
+    # 4 x 100 us of output processing: added to the prefill step and each of the 19 decode
+    # steps, or hidden behind them
+    assert ends(100e-6, False) == pytest.approx([t + 20 * 4e-4 for t in bare], abs=1e-9)
+    assert ends(100e-6, True) == pytest.approx(bare, abs=1e-9)
+    assert ends(100e-6, True, fast=False) == ends(100e-6, True)
+    # 4 x 3 ms of CPU outlasts the forward (~7 ms for the prefill, ~6.5 ms a decode): each of
+    # the 20 steps takes 1 + 12 ms
+    assert ends(3e-3, True) == pytest.approx([20 * 13e-3] * 4, abs=1e-9)
+    assert ends(3e-3, True, fast=False) == pytest.approx([20 * 13e-3] * 4, abs=1e-9)

@@ -22,6 +22,12 @@ Every model answers the same questions:
     cm.swap_time(num_tokens)            # host <-> device KV transfer over PCIe
     cm.kv_capacity_tokens(...)          # KV pool size from GPU memory minus weights
 
+The per-step overhead (`set_overhead(fixed, per_request, overlap)`) is added to
+the GPU time (`overlap=False`, the default), or, with `overlap=True`, a step
+costs fixed + max(GPU time, per_request x batch): vLLM v0.6's asynchronous
+output processing, where the CPU turns step N's tokens into outputs while the
+GPU computes step N+1, so only the larger of the two sets the pace.
+
 `decode_step_times` is what makes the simulator's fast path cheap: a
 decode-only step's time is a function of (n, total context) only, and the
 context grows by n per step, so k steps are one vectorised expression.
@@ -115,6 +121,7 @@ class CostModel:
     name = "cost-model"
     kv_bytes_per_token: int = 0
     pcie_bw: float = 25e9
+    overlap: bool = False       # see set_overhead
 
     def shape_time(self, s: BatchShape) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -158,12 +165,17 @@ class CostModel:
     def describe(self) -> dict:
         return {"name": self.name}
 
-    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None) -> "CostModel":
+    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None,
+                     overlap: Optional[bool] = None) -> "CostModel":
         """The per-step CPU/launch overhead: `fixed` seconds per step plus
         `per_request` seconds per request in the batch (scheduling, input
         preparation, sampling and output handling that do not shrink with the
         GPU). None keeps the current value (the GPU preset's, or the one
-        `shepherd calibrate` measured)."""
+        `shepherd calibrate` measured).
+
+        overlap=True: the per-request term runs beside the GPU instead of after
+        it (step = fixed + max(GPU, per_request x batch)); the fixed term
+        (scheduling, input preparation) still precedes the forward it feeds."""
         raise NotImplementedError(f"{type(self).__name__} has no overhead terms")
 
     @property
@@ -214,9 +226,15 @@ class RooflineCostModel(CostModel):
         # attention FLOPs: one (query, key) pair per decode context token, plus prefill pairs
         pairs = s.prefill_pairs + s.decode_ctx
         comp = self._c_tok * s.num_tokens + self._c_pair * pairs + self._c_samp * s.sampled
-        t = max(mem, comp) + self._ovh + self._seq_ovh * s.num_seqs
-        if self.tp > 1:
-            t += self._ar_a + self._ar_tok * s.num_tokens
+        if self.overlap:
+            g = max(mem, comp)
+            if self.tp > 1:
+                g += self._ar_a + self._ar_tok * s.num_tokens
+            t = max(g, self._seq_ovh * s.num_seqs) + self._ovh
+        else:
+            t = max(mem, comp) + self._ovh + self._seq_ovh * s.num_seqs
+            if self.tp > 1:
+                t += self._ar_a + self._ar_tok * s.num_tokens
         if s.swap_tokens:
             t += self.swap_time(s.swap_tokens)
         return t
@@ -225,6 +243,11 @@ class RooflineCostModel(CostModel):
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
         mem = self._mem_a + self._mem_ctx * ctx + self._mem_tok * n
         comp = self._c_tok * n + self._c_pair * ctx + self._c_samp * n
+        if self.overlap:
+            g = np.maximum(mem, comp)
+            if self.tp > 1:
+                g = g + (self._ar_a + self._ar_tok * n)
+            return np.maximum(g, self._seq_ovh * n) + self._ovh
         t = np.maximum(mem, comp) + (self._ovh + self._seq_ovh * n)
         if self.tp > 1:
             t += self._ar_a + self._ar_tok * n
@@ -235,6 +258,12 @@ class RooflineCostModel(CostModel):
         c = float(ctx)
         mem = self._mem_a + self._mem_ctx * c + self._mem_tok * n
         comp = self._c_tok * n + self._c_pair * c + self._c_samp * n
+        if self.overlap:
+            g = mem if mem >= comp else comp
+            if self.tp > 1:
+                g = g + (self._ar_a + self._ar_tok * n)
+            cpu = self._seq_ovh * n
+            return (g if g >= cpu else cpu) + self._ovh
         t = (mem if mem >= comp else comp) + (self._ovh + self._seq_ovh * n)
         if self.tp > 1:
             t += self._ar_a + self._ar_tok * n
@@ -242,7 +271,10 @@ class RooflineCostModel(CostModel):
 
     decode_step_lb = decode_step_time
 
-    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None) -> "CostModel":
+    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None,
+                     overlap: Optional[bool] = None) -> "CostModel":
+        if overlap is not None:
+            self.overlap = bool(overlap)
         if fixed is not None:
             if fixed < 0:
                 raise ValueError("step overhead must be >= 0")
@@ -271,7 +303,7 @@ class RooflineCostModel(CostModel):
     def describe(self) -> dict:
         m, g = self.model, self.gpu
         return {"name": self.name, "kind": "roofline", "model": asdict(m), "gpu": asdict(g), "tp": self.tp,
-                "step_overhead": self._ovh, "seq_overhead": self._seq_ovh,
+                "step_overhead": self._ovh, "seq_overhead": self._seq_ovh, "overlap": self.overlap,
                 "weight_bytes": m.weight_bytes, "kv_bytes_per_token": m.kv_bytes_per_token,
                 "num_params": m.num_params}
 
@@ -282,10 +314,11 @@ class RooflineCostModel(CostModel):
 
 def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
                     cost_model: Optional[str] = None, step_overhead: Optional[float] = None,
-                    seq_overhead: Optional[float] = None) -> CostModel:
+                    seq_overhead: Optional[float] = None, overlap: Optional[bool] = None) -> CostModel:
     """--cost-model: a JSON file written by `shepherd calibrate` (or any fitted
     model), 'roofline' (default), 'vidur' or 'splitwise'; --step-overhead and
-    --seq-overhead replace the model's per-step overhead terms."""
+    --seq-overhead replace the model's per-step overhead terms; --overlap-output
+    sets overlap (None keeps the model's own: off, or what its JSON says)."""
     if cost_model in (None, "", "roofline"):
         cm: CostModel = RooflineCostModel(model, gpu, tp=tp)
     else:
@@ -296,8 +329,8 @@ def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1
             cm = from_splitwise(model, gpu, tp=tp)
         else:
             cm = load_cost_model(cost_model)
-    if step_overhead is not None or seq_overhead is not None:
-        cm.set_overhead(step_overhead, seq_overhead)
+    if step_overhead is not None or seq_overhead is not None or overlap is not None:
+        cm.set_overhead(step_overhead, seq_overhead, overlap)
     return cm
 
 

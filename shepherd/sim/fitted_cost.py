@@ -38,6 +38,7 @@ class FittedCostModel(CostModel):
     meta: dict = field(default_factory=dict)
     cpu_fixed: float = 0.0          # per-step host overhead (scheduler, input prep), s
     cpu_per_req: float = 0.0        # ... per request in the batch, s
+    overlap: bool = False           # cpu_per_req runs beside the GPU (CostModel.set_overhead)
 
     def __post_init__(self):
         order = np.argsort(self.grid_tokens)
@@ -65,7 +66,10 @@ class FittedCostModel(CostModel):
         t = float(self._table(s.num_tokens)) if s.num_tokens else 0.0
         t += (c["ctx_tokens"] * s.ctx_tokens + c["prefill_pairs"] * s.prefill_pairs
               + c["num_seqs"] * s.num_seqs + c["sampled"] * s.sampled)
-        t += self.cpu_fixed + self.cpu_per_req * s.num_seqs
+        if self.overlap:
+            t = max(t, self.cpu_per_req * s.num_seqs) + self.cpu_fixed
+        else:
+            t += self.cpu_fixed + self.cpu_per_req * s.num_seqs
         if s.swap_tokens:
             t += self.swap_time(s.swap_tokens)
         return max(t, 0.0)
@@ -75,28 +79,40 @@ class FittedCostModel(CostModel):
         b = cache.get(n)
         if b is None:
             c = self._c
-            b = cache[n] = (float(self._table(n)) + (c["num_seqs"] + c["sampled"]) * n
-                            + (self.cpu_fixed + self.cpu_per_req * n))
+            b = float(self._table(n)) + (c["num_seqs"] + c["sampled"]) * n
+            if not self.overlap:
+                b += self.cpu_fixed + self.cpu_per_req * n
+            cache[n] = b
         return b
 
     def decode_step_times(self, n: int, ctx0: int, k: int) -> np.ndarray:
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
-        return np.maximum(self._decode_base(n) + self._c["ctx_tokens"] * ctx, 0.0)
+        t = np.maximum(self._decode_base(n) + self._c["ctx_tokens"] * ctx, 0.0)
+        if self.overlap:
+            return np.maximum(t, self.cpu_per_req * n) + self.cpu_fixed
+        return t
 
     def decode_step_time(self, n: int, ctx: int) -> float:
         t = self._decode_base(n) + self._c["ctx_tokens"] * float(ctx)
-        return t if t > 0.0 else 0.0
+        t = t if t > 0.0 else 0.0
+        if self.overlap:
+            cpu = self.cpu_per_req * n
+            return (t if t >= cpu else cpu) + self.cpu_fixed
+        return t
 
     decode_step_lb = decode_step_time
 
     # -- persistence -------------------------------------------------------
-    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None) -> "CostModel":
+    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None,
+                     overlap: Optional[bool] = None) -> "CostModel":
         if (fixed is not None and fixed < 0) or (per_request is not None and per_request < 0):
             raise ValueError("overheads must be >= 0")
         if fixed is not None:
             self.cpu_fixed = fixed
         if per_request is not None:
             self.cpu_per_req = per_request
+        if overlap is not None:
+            self.overlap = bool(overlap)
         self.__dict__.pop("_base_cache", None)
         return self
 
@@ -109,7 +125,7 @@ class FittedCostModel(CostModel):
                 "grid_s": list(map(float, self.grid_s)), "coef": {k: float(v) for k, v in self.coef.items()},
                 "kv_bytes_per_token": int(self.kv_bytes_per_token), "pcie_bw": float(self.pcie_bw),
                 "cpu_fixed": float(self.cpu_fixed), "cpu_per_req": float(self.cpu_per_req),
-                "meta": self.meta}
+                "overlap": bool(self.overlap), "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -121,7 +137,8 @@ class FittedCostModel(CostModel):
         return cls(grid_tokens=d["grid_tokens"], grid_s=d["grid_s"], coef=d.get("coef", {}),
                    kv_bytes_per_token=d.get("kv_bytes_per_token", 0), pcie_bw=d.get("pcie_bw", 25e9),
                    name=d.get("name", "fitted"), meta=d.get("meta", {}),
-                   cpu_fixed=d.get("cpu_fixed", 0.0), cpu_per_req=d.get("cpu_per_req", 0.0))
+                   cpu_fixed=d.get("cpu_fixed", 0.0), cpu_per_req=d.get("cpu_per_req", 0.0),
+                   overlap=bool(d.get("overlap", False)))
 
     def describe(self) -> dict:
         return self.to_json()

@@ -92,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or what `shepherd calibrate` measured)")
     c.add_argument("--seq-overhead", type=float, default=None, metavar="S",
                    help="per-step overhead per request in the batch, seconds (default: preset / calibrated)")
+    c.add_argument("--overlap-output", action="store_true", default=None,
+                   help="vLLM v0.6's asynchronous output processing: the per-request overhead runs on the CPU "
+                        "while the GPU computes the next step, so a step costs step-overhead + max(GPU time, "
+                        "seq-overhead x batch) instead of their sum")
     c.add_argument("--mem-fraction", type=float, default=0.9, help="GPU memory for weights + KV")
     c.add_argument("--max-model-len", type=int, default=None)
     c.add_argument("--max-tokens", type=int, default=None,
@@ -194,7 +198,8 @@ def main(args) -> int:
                     seed=args.seed, progress=not args.no_progress, keep_records=False)
     try:
         cost = make_cost_model(args.model, args.gpu, tp=args.tp, cost_model=args.cost_model,
-                               step_overhead=args.step_overhead, seq_overhead=args.seq_overhead)
+                               step_overhead=args.step_overhead, seq_overhead=args.seq_overhead,
+                               overlap=args.overlap_output)
         sim = Simulator(cfg, cost)
         sched.max_total_tokens = sim.kv_capacity
         sched.validate()
