@@ -144,6 +144,24 @@ def test_calibrate_served_overhead_is_what_the_step_model_leaves_out():
     assert fit_served_overhead([(1, 160, step1 - 1e-3), (16, 160, step16 - 2e-3)], fit) == (0.0, 0.0)
 
 
+def test_calibrate_served_overhead_fits_all_points_not_the_ends():
+    """With points at 1, 2, 4, 8 and 16 requests, one noisy point (here the one-stream TPOT,
+    1 ms high) moves the least-squares line a little instead of setting its intercept."""
+    from shepherd.sim.calibrate import fit_served_overhead
+    fit = fc.FittedCostModel(grid_tokens=[1, 64], grid_s=[5e-3, 9e-3], coef={"ctx_tokens": 1e-8})
+    true_fixed, true_per = 2e-4, 3e-4
+    pts = [(b, 160, fit.decode_itl(160, b) + true_fixed + true_per * b + (1e-3 if b == 1 else 0.0))
+           for b in (1, 2, 4, 8, 16)]
+    fixed, per = fit_served_overhead(pts, fit)
+    # hand-computed least squares over (b, overhead): b = 1, 2, 4, 8, 16 (mean 6.2, Sxx = 148.8);
+    # the 1 ms at b = 1 adds (1 - 6.2) * 1e-3 / 148.8 to the slope and 1e-3 / 5 - 6.2 * that to the intercept
+    d_per = (1 - 6.2) * 1e-3 / 148.8
+    assert per == pytest.approx(true_per + d_per)
+    assert fixed == pytest.approx(true_fixed + 1e-3 / 5 - 6.2 * d_per)
+    ends = fit_served_overhead([pts[0], pts[-1]], fit)     # the old two-point line, for contrast
+    assert abs(ends[0] - true_fixed) > 2 * abs(fixed - true_fixed)
+
+
 def test_overlap_output_step_is_fixed_plus_the_larger_of_gpu_and_cpu():
     gpu = cm.RooflineCostModel("llama-3-8b", "h100").set_overhead(0.0, 0.0)
     ovl = cm.make_cost_model("llama-3-8b", "h100", step_overhead=1e-3, seq_overhead=100e-6, overlap=True)

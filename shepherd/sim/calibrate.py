@@ -22,9 +22,10 @@ override them).
 
 With --served it then measures what the scheduler timing leaves out: it starts
 `shepherd serve` with the same model, dtype and threads, streams a few
-requests over HTTP at 1 and at --served-concurrency requests in flight, and
-takes TPOT p50 minus the fitted step time at the same batch and context as
-the per-step overhead a user sees: the engine loop, the pipe to the server,
+requests over HTTP at 1 and at each --served-concurrency requests in flight,
+and takes TPOT p50 minus the fitted step time at the same batch and context as
+the per-step overhead a user sees (fixed + per request, least squares over
+the points): the engine loop, the pipe to the server,
 detokenising and SSE, and the client, all on the same cores
 (`served_overhead` in the JSON's meta). The simulator then predicts served
 latency, not the bare executor's.
@@ -56,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-samples", default=None, help="refit from a samples file instead of timing")
     p.add_argument("--served", action="store_true",
                    help="also measure the per-step overhead of the served path over HTTP (starts `shepherd serve`)")
-    p.add_argument("--served-concurrency", type=int, default=16, help="the second point of the served fit")
+    p.add_argument("--served-concurrency", default="2,4,8,16",
+                   help="requests in flight of the served fit's points beside 1 (comma list)")
     p.add_argument("--served-args", default="", help="extra `shepherd serve` flags for --served (one string)")
 
 
@@ -209,16 +211,13 @@ def fit_served_overhead(points, model) -> tuple[float, float]:
     """Per-step overhead (fixed, per request) from served TPOT p50s: `points` are
     (requests in flight, context tokens, TPOT seconds); each TPOT minus the model's
     step time at that batch and context (the model without overhead) is the
-    overhead at that batch; a line through the smallest and largest batch, both
-    terms clamped at 0."""
-    over = sorted((b, t - model.decode_itl(int(c), int(b))) for b, c, t in points)
-    if not over:
-        return 0.0, 0.0
-    (b0, o0), (b1, o1) = over[0], over[-1]
-    if b1 == b0:
-        return max(o0, 0.0), 0.0
-    per = max((o1 - o0) / (b1 - b0), 0.0)
-    return max(o0 - per * b0, 0.0), per
+    overhead at that batch; fixed + per request by least squares over all the
+    points (fit_overhead: both clamped at 0). A line through two points alone
+    turned a 0.5 ms wobble of the one-stream TPOT into a 1.5 ms fixed term."""
+    over = [(b, t - model.decode_itl(int(c), int(b))) for b, c, t in points]
+    if len(over) == 1:
+        return max(over[0][1], 0.0), 0.0
+    return fit_overhead(over)
 
 
 def measure_served(args, ecfg) -> list[tuple[int, float, float]]:
@@ -245,7 +244,8 @@ def measure_served(args, ecfg) -> list[tuple[int, float, float]]:
         loadgen.wait_healthy(url, server, timeout=150, what="`shepherd serve`")
         tok = prompts.load_tokenizer(args.model)
         points = []
-        for i, conc in enumerate((1, 1, args.served_concurrency)):   # the first is warm-up
+        concs = [int(c) for c in str(args.served_concurrency).split(",") if c.strip()]
+        for i, conc in enumerate([1, 1] + concs):   # the first is warm-up
             n = conc if conc > 1 else 6   # all at once: after one prefill, decode-only steps
             trace = loadgen.synthetic(n, input_len="128", output_len="64", seed=7 + i)
             builder = prompts.PromptBuilder(tok, seed=7 + i)
