@@ -345,3 +345,25 @@ def test_overlap_output_hides_a_small_batchs_output_processing_behind_the_forwar
     # the 20 steps takes 1 + 12 ms
     assert ends(3e-3, True) == pytest.approx([20 * 13e-3] * 4, abs=1e-9)
     assert ends(3e-3, True, fast=False) == pytest.approx([20 * 13e-3] * 4, abs=1e-9)
+
+
+def test_frontend_latency_adds_to_every_ttft_and_moves_the_engine_side_with_it():
+    """`--frontend-latency` / calibrate's measured frontend: the engine takes each request in
+    that much later, so TTFT and end-to-end latency grow by exactly it and the steps are the
+    same ones, shifted."""
+    tr = [TraceRequest(arrival=0.05 * i, prompt_tokens=100, output_tokens=20, index=i) for i in range(6)]
+    sched = SchedulerConfig(prefix_cache=False)
+
+    def run(frontend):
+        cost = RooflineCostModel("llama-3-8b", "h100")
+        cost.frontend = frontend
+        res = simulate(tr, SimConfig(scheduler=sched, kv_capacity=5000), cost)
+        return sorted(res.records, key=lambda r: r.req_id)
+
+    bare, late = run(0.0), run(0.02)
+    assert [r.arrival for r in late] == [r.arrival for r in bare]       # the client's clock
+    assert [r.ttft for r in late] == pytest.approx([r.ttft + 0.02 for r in bare], abs=1e-9)
+    assert [r.e2e for r in late] == pytest.approx([r.e2e + 0.02 for r in bare], abs=1e-9)
+    with pytest.raises(ValueError):
+        from shepherd.sim.cost_model import make_cost_model
+        make_cost_model(frontend=-1.0)

@@ -187,7 +187,8 @@ def main(args) -> int:
           f"median {m['fit_median_rel_err']:.1%}, max {m['fit_max_rel_err']:.1%}; decode step B=1 at 128 ctx "
           f"{model.decode_itl(128) * 1e3:.1f} ms, B=32 {model.decode_itl(128, 32) * 1e3:.1f} ms; "
           f"prefill 512 {model.shape_time(BatchShape.prefill(512)) * 1e3:.0f} ms; per-step overhead "
-          f"{fixed * 1e3:.3f} ms + {per_req * 1e6:.1f} us/request per step; wrote {args.out}",
+          f"{fixed * 1e3:.3f} ms + {per_req * 1e6:.1f} us/request per step; frontend latency "
+          f"{model.frontend * 1e3:.1f} ms; wrote {args.out}",
           file=sys.stderr)
     return 0
 
@@ -195,15 +196,20 @@ def main(args) -> int:
 def served_overhead(args, ecfg, model) -> tuple[float, float]:
     """Measure the served path (measure_served), fit its overhead and set it on `model`; the
     served figure includes the scheduler's work, so it replaces the scheduler's fit but never
-    goes below it. Returns the (fixed, per request) now set; the details go to model.meta."""
-    fixed, per_req = model.overhead
-    points = measure_served(args, ecfg)
+    goes below it. Returns the (fixed, per request) now set; the details go to model.meta.
+    The frontend latency (model.frontend) is what one request's TTFT, alone on the server, has
+    beyond the modelled step that prefills it: HTTP, tokenising, the pipes both ways."""
+    sched_fixed, sched_per = model.overhead
+    points, ttft1 = measure_served(args, ecfg)
     model.set_overhead(0.0, 0.0)
     sfixed, sper = fit_served_overhead(points, model)
-    model.meta["served_overhead"] = {"points": [list(p) for p in points], "fixed": sfixed, "per_req": sper,
-                                     "scheduler_fixed": fixed, "scheduler_per_req": per_req}
-    fixed, per_req = max(fixed, sfixed), max(per_req, sper)
+    fixed, per_req = max(sched_fixed, sfixed), max(sched_per, sper)
     model.set_overhead(fixed, per_req)
+    if ttft1 is not None:
+        model.frontend = max(0.0, ttft1 - model.shape_time(BatchShape.prefill(128)))
+    model.meta["served_overhead"] = {"points": [list(p) for p in points], "fixed": sfixed, "per_req": sper,
+                                     "scheduler_fixed": sched_fixed, "scheduler_per_req": sched_per,
+                                     "ttft_1": ttft1, "frontend": model.frontend}
     return fixed, per_req
 
 
@@ -220,11 +226,12 @@ def fit_served_overhead(points, model) -> tuple[float, float]:
     return fit_overhead(over)
 
 
-def measure_served(args, ecfg) -> list[tuple[int, float, float]]:
-    """(requests in flight, mean context, TPOT p50) at 1 and --served-concurrency
-    streams of 128-token prompts and 64 output tokens, against a `shepherd serve`
-    started here. The concurrent requests start together, so their TPOT spans
-    decode-only steps of that batch, which is what the fit subtracts."""
+def measure_served(args, ecfg) -> tuple[list[tuple[int, float, float]], Optional[float]]:
+    """(requests in flight, mean context, TPOT p50) at 1 and each --served-concurrency
+    of 128-token prompts and 64 output tokens, against a `shepherd serve` started
+    here, and the TTFT p50 of the one-at-a-time requests. The concurrent requests
+    start together, so their TPOT spans decode-only steps of that batch, which is
+    what the fit subtracts."""
     import asyncio
     import statistics
     import subprocess
@@ -243,7 +250,7 @@ def measure_served(args, ecfg) -> list[tuple[int, float, float]]:
     try:
         loadgen.wait_healthy(url, server, timeout=150, what="`shepherd serve`")
         tok = prompts.load_tokenizer(args.model)
-        points = []
+        points, ttft1 = [], None
         concs = [int(c) for c in str(args.served_concurrency).split(",") if c.strip()]
         for i, conc in enumerate([1, 1] + concs):   # the first is warm-up
             n = conc if conc > 1 else 6   # all at once: after one prefill, decode-only steps
@@ -254,11 +261,14 @@ def measure_served(args, ecfg) -> list[tuple[int, float, float]]:
             res = asyncio.run(loadgen.run_load(reqs, loadgen.LoadConfig(
                 url=url, max_concurrency=conc, progress=False, poll_metrics=False)))
             tp = [t for t in (tpot_of(r) for r in res.records if r.ok) if t]
+            if i == 1:
+                ft = [r.ttft for r in res.records if r.ok and r.ttft is not None]
+                ttft1 = statistics.median(ft) if ft else None
             if i and tp:
                 points.append((conc, 128 + 32, statistics.median(tp)))
                 print(f"calibrate: served, {conc} in flight: TPOT p50 {points[-1][2] * 1e3:.2f} ms",
                       file=sys.stderr)
-        return points
+        return points, ttft1
     finally:
         server.terminate()
         try:

@@ -122,6 +122,10 @@ class CostModel:
     kv_bytes_per_token: int = 0
     pcie_bw: float = 25e9
     overlap: bool = False       # see set_overhead
+    # seconds between a client sending a request and the engine taking it in, plus its first
+    # token's way back out (HTTP, tokenising, the pipes, the first SSE event): the simulator adds
+    # it to every request's TTFT (and end-to-end latency), never to a step
+    frontend: float = 0.0
 
     def shape_time(self, s: BatchShape) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -314,7 +318,8 @@ class RooflineCostModel(CostModel):
 
 def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
                     cost_model: Optional[str] = None, step_overhead: Optional[float] = None,
-                    seq_overhead: Optional[float] = None, overlap: Optional[bool] = None) -> CostModel:
+                    seq_overhead: Optional[float] = None, overlap: Optional[bool] = None,
+                    frontend: Optional[float] = None) -> CostModel:
     """--cost-model: a JSON file written by `shepherd calibrate` (or any fitted
     model), 'roofline' (default), 'vidur' or 'splitwise'; --step-overhead and
     --seq-overhead replace the model's per-step overhead terms; --overlap-output
@@ -331,6 +336,10 @@ def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1
             cm = load_cost_model(cost_model)
     if step_overhead is not None or seq_overhead is not None or overlap is not None:
         cm.set_overhead(step_overhead, seq_overhead, overlap)
+    if frontend is not None:
+        if frontend < 0:
+            raise ValueError(f"frontend latency must be >= 0 seconds, got {frontend}")
+        cm.frontend = float(frontend)
     return cm
 
 

@@ -39,6 +39,7 @@ class FittedCostModel(CostModel):
     cpu_fixed: float = 0.0          # per-step host overhead (scheduler, input prep), s
     cpu_per_req: float = 0.0        # ... per request in the batch, s
     overlap: bool = False           # cpu_per_req runs beside the GPU (CostModel.set_overhead)
+    frontend: float = 0.0           # added to each request's TTFT (CostModel.frontend)
 
     def __post_init__(self):
         order = np.argsort(self.grid_tokens)
@@ -125,7 +126,7 @@ class FittedCostModel(CostModel):
                 "grid_s": list(map(float, self.grid_s)), "coef": {k: float(v) for k, v in self.coef.items()},
                 "kv_bytes_per_token": int(self.kv_bytes_per_token), "pcie_bw": float(self.pcie_bw),
                 "cpu_fixed": float(self.cpu_fixed), "cpu_per_req": float(self.cpu_per_req),
-                "overlap": bool(self.overlap), "meta": self.meta}
+                "overlap": bool(self.overlap), "frontend": float(self.frontend), "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -138,7 +139,7 @@ class FittedCostModel(CostModel):
                    kv_bytes_per_token=d.get("kv_bytes_per_token", 0), pcie_bw=d.get("pcie_bw", 25e9),
                    name=d.get("name", "fitted"), meta=d.get("meta", {}),
                    cpu_fixed=d.get("cpu_fixed", 0.0), cpu_per_req=d.get("cpu_per_req", 0.0),
-                   overlap=bool(d.get("overlap", False)))
+                   overlap=bool(d.get("overlap", False)), frontend=float(d.get("frontend", 0.0)))
 
     def describe(self) -> dict:
         return self.to_json()

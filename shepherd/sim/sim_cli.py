@@ -96,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM v0.6's asynchronous output processing: the per-request overhead runs on the CPU "
                         "while the GPU computes the next step, so a step costs step-overhead + max(GPU time, "
                         "seq-overhead x batch) instead of their sum")
+    c.add_argument("--frontend-latency", type=float, default=None, metavar="S",
+                   help="seconds added to every request's TTFT for the serving frontend (HTTP, tokenising, "
+                        "the pipe to the engine and back; default: what `shepherd calibrate --served` measured, "
+                        "else 0)")
     c.add_argument("--mem-fraction", type=float, default=0.9, help="GPU memory for weights + KV")
     c.add_argument("--max-model-len", type=int, default=None)
     c.add_argument("--max-tokens", type=int, default=None,
@@ -199,7 +203,7 @@ def main(args) -> int:
     try:
         cost = make_cost_model(args.model, args.gpu, tp=args.tp, cost_model=args.cost_model,
                                step_overhead=args.step_overhead, seq_overhead=args.seq_overhead,
-                               overlap=args.overlap_output)
+                               overlap=args.overlap_output, frontend=args.frontend_latency)
         sim = Simulator(cfg, cost)
         sched.max_total_tokens = sim.kv_capacity
         sched.validate()

@@ -351,9 +351,10 @@ class Simulator:
 
     def _arrive(self, tr: TraceRequest, i: int) -> RequestRecord:
         from shepherd.scheduler.scheduler import QueueFull, RequestRejected
-        now = tr.arrival
+        now = tr.arrival + self.cost.frontend    # the engine sees it after the frontend's part
         req, target = self.make_request(tr, i)
-        rec = RequestRecord(req_id=req.req_id, client=tr.client, arrival=now, prompt_tokens=tr.prompt_tokens)
+        req.arrival = now
+        rec = RequestRecord(req_id=req.req_id, client=tr.client, arrival=tr.arrival, prompt_tokens=tr.prompt_tokens)
         if not self._lazy:
             for rep in self.replicas:
                 rep.advance_to(now, settle=self._skip_quiet)
