@@ -120,8 +120,10 @@ def write_docs(table: str, cost: str, mark: str = "engine-validation") -> None:
     text = path.read_text()
     oh = json.loads(Path(cost).read_text())
     so = oh.get("meta", {}).get("served_overhead") or {}
-    served = (f" (served path over HTTP, TPOT at 1 / 16 streams minus the fitted step; the scheduler's own "
-              f"share: {so.get('scheduler_fixed', 0) * 1e3:.3f} ms + {so.get('scheduler_per_req', 0) * 1e6:.1f} us)"
+    served = (f" (served path over HTTP: TPOT at 1-16 requests in flight minus the fitted step, least squares; "
+              f"the scheduler's own share: {so.get('scheduler_fixed', 0) * 1e3:.3f} ms + "
+              f"{so.get('scheduler_per_req', 0) * 1e6:.1f} us); frontend latency "
+              f"{oh.get('frontend', 0) * 1e3:.1f} ms (one request's TTFT alone minus the modelled prefill)"
               if so else "")
     block = (f"<!-- {mark} -->\n{table}\n\nCalibrated per-step overhead: "
              f"{oh.get('cpu_fixed', 0) * 1e3:.3f} ms + {oh.get('cpu_per_req', 0) * 1e6:.1f} us per request{served}. "

@@ -199,6 +199,7 @@ def served_overhead(args, ecfg, model) -> tuple[float, float]:
     goes below it. Returns the (fixed, per request) now set; the details go to model.meta.
     The frontend latency (model.frontend) is what one request's TTFT, alone on the server, has
     beyond the modelled step that prefills it: HTTP, tokenising, the pipes both ways."""
+    from shepherd.sim.cost_model import BatchShape
     sched_fixed, sched_per = model.overhead
     points, ttft1 = measure_served(args, ecfg)
     model.set_overhead(0.0, 0.0)
