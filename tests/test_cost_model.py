@@ -184,3 +184,18 @@ def test_overlap_output_step_is_fixed_plus_the_larger_of_gpu_and_cpu():
     assert fit.decode_step_time(10, 0) == pytest.approx(1e-3 + 5e-3 + 9 * 4e-3 / 255)
     assert fit.decode_step_times(200, 0, 2)[0] == fit.decode_step_time(200, 0)
     assert fc.FittedCostModel.from_json(fit.to_json()).overlap
+
+
+def test_calibrate_served_sets_the_frontend_latency_from_one_requests_ttft(monkeypatch):
+    """served_overhead: the step overhead from the TPOT points, then the frontend latency =
+    the lone request's TTFT minus the (now overhead-including) modelled prefill of its prompt."""
+    from shepherd.sim import calibrate
+    from shepherd.sim.cost_model import BatchShape
+    fit = fc.FittedCostModel(grid_tokens=[1, 64, 256], grid_s=[5e-3, 9e-3, 30e-3], coef={"ctx_tokens": 1e-8})
+    pts = [(b, 160, fit.decode_itl(160, b) + 1e-3 + 2e-4 * b) for b in (1, 2, 4, 8, 16)]
+    monkeypatch.setattr(calibrate, "measure_served", lambda args, ecfg: (pts, 0.040))
+    fixed, per = calibrate.served_overhead(None, None, fit)
+    assert (fixed, per) == (pytest.approx(1e-3), pytest.approx(2e-4))
+    assert fit.frontend == pytest.approx(0.040 - fit.shape_time(BatchShape.prefill(128)))
+    assert fit.meta["served_overhead"]["frontend"] == fit.frontend
+    assert fc.FittedCostModel.from_json(fit.to_json()).frontend == fit.frontend   # kept in the JSON
