@@ -184,10 +184,11 @@ class Kernels:
         self.bf16_mm = dtype == torch.bfloat16 and bool(lib.has_bf16_mm())   # bf16 weights, fp32 sums
         self.bf16_form = bf16_form(lib) if self.bf16_mm else None
         self.w8 = dtype == torch.bfloat16 and bool(lib.has_w8_mm())          # int8 weights x bf16
-        self.whole_forward = self.bf16_mm and hasattr(lib, "forward_bf16")   # the layer stack in one call
 
     def forward_supports(self, H: int, KVH: int, hd: int) -> bool:
-        return self.whole_forward and bool(self._lib.forward_bf16_supports(H, KVH, hd))
+        """Whether forward_layers (the layer stack in one call) runs this head shape here."""
+        return (self.bf16_mm and hasattr(self._lib, "forward_bf16")
+                and bool(self._lib.forward_bf16_supports(H, KVH, hd)))
 
     def forward_layers(self, lw, x, h, H, KVH, hd, I, pos, cos, sin, kv_pool, slots, slot_tab, off, ctx,
                        max_ctx, scale, eps) -> None:

@@ -130,6 +130,15 @@ class CostModel:
     def shape_time(self, s: BatchShape) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _overlapped(self, gpu, n):
+        """overlap=True: a step of n requests whose GPU time is `gpu` (a float, or an array
+        for decode_step_times) costs fixed + max(gpu, per-request x n)."""
+        fixed, per = self.overhead
+        cpu = per * n
+        if isinstance(gpu, np.ndarray):
+            return np.maximum(gpu, cpu) + fixed
+        return (gpu if gpu >= cpu else cpu) + fixed
+
     def step_time(self, batch) -> float:
         """Seconds for one ScheduledBatch (the SimExecutor hook). Empty batch: 0."""
         if batch.empty:
@@ -234,7 +243,7 @@ class RooflineCostModel(CostModel):
             g = max(mem, comp)
             if self.tp > 1:
                 g += self._ar_a + self._ar_tok * s.num_tokens
-            t = max(g, self._seq_ovh * s.num_seqs) + self._ovh
+            t = self._overlapped(g, s.num_seqs)
         else:
             t = max(mem, comp) + self._ovh + self._seq_ovh * s.num_seqs
             if self.tp > 1:
@@ -251,7 +260,7 @@ class RooflineCostModel(CostModel):
             g = np.maximum(mem, comp)
             if self.tp > 1:
                 g = g + (self._ar_a + self._ar_tok * n)
-            return np.maximum(g, self._seq_ovh * n) + self._ovh
+            return self._overlapped(g, n)
         t = np.maximum(mem, comp) + (self._ovh + self._seq_ovh * n)
         if self.tp > 1:
             t += self._ar_a + self._ar_tok * n
@@ -266,8 +275,7 @@ class RooflineCostModel(CostModel):
             g = mem if mem >= comp else comp
             if self.tp > 1:
                 g = g + (self._ar_a + self._ar_tok * n)
-            cpu = self._seq_ovh * n
-            return (g if g >= cpu else cpu) + self._ovh
+            return self._overlapped(g, n)
         t = (mem if mem >= comp else comp) + (self._ovh + self._seq_ovh * n)
         if self.tp > 1:
             t += self._ar_a + self._ar_tok * n

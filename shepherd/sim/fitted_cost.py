@@ -68,7 +68,7 @@ class FittedCostModel(CostModel):
         t += (c["ctx_tokens"] * s.ctx_tokens + c["prefill_pairs"] * s.prefill_pairs
               + c["num_seqs"] * s.num_seqs + c["sampled"] * s.sampled)
         if self.overlap:
-            t = max(t, self.cpu_per_req * s.num_seqs) + self.cpu_fixed
+            t = self._overlapped(t, s.num_seqs)
         else:
             t += self.cpu_fixed + self.cpu_per_req * s.num_seqs
         if s.swap_tokens:
@@ -89,17 +89,12 @@ class FittedCostModel(CostModel):
     def decode_step_times(self, n: int, ctx0: int, k: int) -> np.ndarray:
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
         t = np.maximum(self._decode_base(n) + self._c["ctx_tokens"] * ctx, 0.0)
-        if self.overlap:
-            return np.maximum(t, self.cpu_per_req * n) + self.cpu_fixed
-        return t
+        return self._overlapped(t, n) if self.overlap else t
 
     def decode_step_time(self, n: int, ctx: int) -> float:
         t = self._decode_base(n) + self._c["ctx_tokens"] * float(ctx)
         t = t if t > 0.0 else 0.0
-        if self.overlap:
-            cpu = self.cpu_per_req * n
-            return (t if t >= cpu else cpu) + self.cpu_fixed
-        return t
+        return self._overlapped(t, n) if self.overlap else t
 
     decode_step_lb = decode_step_time
 
