@@ -263,7 +263,7 @@ def _check_bf16_gemm(owner, form):
         assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max() * K ** 0.5
         full = lin(x)
         assert torch.equal(full, logits.bfloat16())   # one rounding of the same sums
-        for M in (1, 2, 3, 4, 5, 6, 9, 11):   # across the kernel's 5-row blocks
+        for M in (1, 2, 3, 4, 5, 6, 7, 9, 11, 13):   # across the kernel's 5- and 6-row blocks
             for s in (0, 37 - M):
                 assert torch.equal(lin(x[s:s + M]), full[s:s + M]), f"{form}: M={M} at {s}"
 
