@@ -326,6 +326,36 @@ def test_multi_step_hands_a_window_of_tokens_out_at_its_end():
     assert len({g[0] for g in groups}) == 3 and a.finish == groups[-1][0]
 
 
+def test_multi_step_runs_a_prefill_as_one_step_then_one_window_over_everyone():
+    """vLLM v0.6.0 with chunked prefill off (checked against its source: a prefill batch
+    holds no decodes and gets no lookahead slots, so it runs one step and is not cached
+    as a window). A and B decode in windows of 4; C arrives 1.5 steps into their first
+    window. Hand-computed step sequence: 0 prefill A+B | 1-4 decode A,B | 5 prefill C
+    alone | 6-9 decode A,B,C. So A and B lose one step to C's prefill, not a window:
+    had the prefill opened a window of C alone, steps 6-8 would decode C only."""
+    cost = RooflineCostModel("llama-3-8b", "h100").set_overhead(1e-3, 0.0)
+    sched = SchedulerConfig(mixed_steps=False, max_consecutive_prefill=0, prefix_cache=False, multi_step=4)
+    prefill = cost.shape_time(BatchShape.prefill(100) + BatchShape.prefill(100))
+    mid = prefill + 1.5 * cost.decode_step_time(2, 2 * 101)
+    tr = [TraceRequest(arrival=0.0, prompt_tokens=100, output_tokens=20, index=0),
+          TraceRequest(arrival=0.0, prompt_tokens=100, output_tokens=20, index=1),
+          TraceRequest(arrival=mid, prompt_tokens=100, output_tokens=20, index=2)]
+    res = simulate(tr, SimConfig(scheduler=sched, kv_capacity=5000, record_batches=True), cost)
+    a, b, c = (r.req_id for r in sorted(res.records, key=lambda r: (r.arrival, r.req_id)))
+    steps = [(sorted(rid for rid, _, _ in seqs), all(n > 1 for _, _, n in seqs)) for _, _, seqs in res.batches]
+    assert steps[0] == (sorted([a, b]), True)
+    assert steps[1:5] == [(sorted([a, b]), False)] * 4
+    assert steps[5] == ([c], True)
+    assert steps[6:10] == [(sorted([a, b, c]), False)] * 4
+    # A's tokens reach its client at the end of step 0 (its prefill's), then at the ends of
+    # its windows, steps 4 and 9: C's prefill step sits between them, unpaid by a window
+    starts = [t for _, t, _ in res.batches]
+    rec_a = next(r for r in res.records if r.req_id == a)
+    assert rec_a.token_times[0] == pytest.approx(starts[1])
+    assert rec_a.token_times[1:5] == pytest.approx([starts[5]] * 4)
+    assert rec_a.token_times[5:9] == pytest.approx([starts[10]] * 4)
+
+
 def test_overlap_output_hides_a_small_batchs_output_processing_behind_the_forward():
     tr = [TraceRequest(arrival=0.0, prompt_tokens=100, output_tokens=20, index=i) for i in range(4)]
     sched = SchedulerConfig(mixed_steps=False, prefix_cache=False)

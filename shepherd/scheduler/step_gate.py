@@ -19,7 +19,11 @@ def prefill_allowed(cfg: SchedulerConfig, has_decode: bool, since_prefill: int, 
         return since_prefill >= cfg.decode_first_prefill_every
     if cfg.multi_step > 1:
         # windows are counted from the last prefill step, so a request that arrives
-        # mid-window waits for the window's end even if nothing waited at its start
+        # mid-window waits for the window's end even if nothing waited at its start.
+        # The prefill step itself is one step of prefills alone, outside any window
+        # (since_prefill 0 admits again): vLLM v0.6.0, chunked prefill off, schedules no
+        # decodes beside a prefill and gives prefills no lookahead slots, so the engine
+        # does not cache that batch as a window; the next schedule() opens the window
         return since_prefill % cfg.multi_step == 0
     m = cfg.max_consecutive_prefill
     return m == 0 or consec_prefill < m or mixed
