@@ -494,10 +494,11 @@ int has_bf16_mm(void) {
 
 #if defined(__AVX512F__)
 /* rows per block: the dp form keeps 6 x 4 tiles = 24 accumulators beside 4 weights and a broadcast
- * (64 rows, ctx 40: a step 1.4% faster than 5 rows, by fewer L2 re-reads of each unit); the FMA
- * form stays at 5 x 4 = 20, beside 8 widened weights and 2 broadcasts (6 rows spill there) */
+ * (64 rows, ctx 40: a step 1.4-1.8% faster than 5 rows, by fewer L2 re-reads of each unit); the
+ * FMA form stays at 5 x 4 = 20, beside 8 widened weights and 2 broadcasts (6 rows spill there) */
 #define BF_ROWS 6
 #define BF_ROWS_FMA 5
+static inline int64_t bf_rows(int dp) { return dp ? BF_ROWS : BF_ROWS_FMA; }
 /* R rows x C tiles of accumulators over all k (R, C compile-time after inlining). A packed dword
  * holds (W[n][2kp], W[n][2kp+1]): the even weight is the dword shifted up, the odd one its high
  * half, both exact float32, so each product is exact and the chain rounds once per k. */
@@ -611,7 +612,6 @@ static inline void bf16_store(__m512 v, const uint16_t *bias, void *y, int64_t o
 #define BF_BLOCK(block, xb)                                         \
     if (C < 4) block(xb, K, R, wt, C, acc, pf, pfn);                \
     else switch (R) {                                               \
-        case 6: block(xb, K, 6, wt, 4, acc, pf, pfn); break;        \
         case 5: block(xb, K, 5, wt, 4, acc, pf, pfn); break;        \
         case 4: block(xb, K, 4, wt, 4, acc, pf, pfn); break;        \
         case 3: block(xb, K, 3, wt, 4, acc, pf, pfn); break;        \
@@ -632,7 +632,7 @@ static void bf16_to_f32_for(const uint16_t *x, float *xf, int64_t n) {
  * forward_bf16's). xf: x as float32 for the FMA form (dp == 0), unused by the dp form. */
 static void bf16_mm_items(const uint16_t *x, const float *xf, int64_t rows, int64_t K, const uint16_t *w,
                           int64_t N, const uint16_t *bias, void *y, int out_f32, int dp) {
-    const int64_t BR = dp ? BF_ROWS : BF_ROWS_FMA;
+    const int64_t BR = bf_rows(dp);
     const int64_t NT = N / 16, NU = (NT + 3) / 4, RB = (rows + BR - 1) / BR;
     /* one item per (4-tile unit, row block), unit-major: a thread's contiguous share re-reads
      * a unit's weights from its own cache across row blocks, and 9 units still split evenly */
@@ -652,7 +652,10 @@ static void bf16_mm_items(const uint16_t *x, const float *xf, int64_t rows, int6
         const uint16_t *pf = w + (t0 + 4 + first) * 16 * K;
         __m512 acc[BF_ROWS][4];
 #if defined(__AVX512BF16__)
-        if (dp) { BF_BLOCK(bf16_block_dp, x + r0 * K) }
+        if (dp) {   /* 6-row blocks only here (bf_rows) */
+            if (R == 6 && C == 4) bf16_block_dp(x + r0 * K, K, 6, wt, 4, acc, pf, pfn);
+            else BF_BLOCK(bf16_block_dp, x + r0 * K)
+        }
         else
 #endif
         { BF_BLOCK(bf16_block_fma, xf + r0 * K) }
@@ -665,10 +668,10 @@ static void bf16_mm_items(const uint16_t *x, const float *xf, int64_t rows, int6
 /* dp: 1 for the vdpbf16ps form (only where the CPU has it), 0 for the FMA form */
 void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
              const uint16_t *bias, void *y, int out_f32, int dp) {
-    const int64_t NT = N / 16, NU = (NT + 3) / 4, RB = (rows + BF_ROWS - 1) / BF_ROWS;
 #if !defined(__AVX512BF16__)
     dp = 0;
 #endif
+    const int64_t NT = N / 16, NU = (NT + 3) / 4, RB = (rows + bf_rows(dp) - 1) / bf_rows(dp);
     float *xf = dp ? NULL : malloc(sizeof(float) * rows * K);
     if (xf) bf16_to_f32_for(x, xf, rows * K);
     #pragma omp parallel if(NU * RB > 1)

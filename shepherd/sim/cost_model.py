@@ -232,6 +232,15 @@ class RooflineCostModel(CostModel):
         else:
             self._ar_a = self._ar_tok = 0.0
 
+    def _with_overhead(self, gpu, n, ar):
+        """A step of n requests: `gpu` (float or array) is its compute/memory time, `ar` its
+        all-reduces (exactly 0.0 at tp 1, so adding it changes no bit); the overhead is added
+        after both, or run beside them (overlap). One order of operations for every caller, so the
+        fast path's steps are the step-by-step ones to the bit."""
+        if self.overlap:
+            return self._overlapped(gpu + ar, n)
+        return gpu + (self._ovh + self._seq_ovh * n) + ar
+
     def shape_time(self, s: BatchShape) -> float:
         if s.num_seqs == 0 and s.swap_tokens == 0:
             return 0.0
@@ -239,15 +248,7 @@ class RooflineCostModel(CostModel):
         # attention FLOPs: one (query, key) pair per decode context token, plus prefill pairs
         pairs = s.prefill_pairs + s.decode_ctx
         comp = self._c_tok * s.num_tokens + self._c_pair * pairs + self._c_samp * s.sampled
-        if self.overlap:
-            g = max(mem, comp)
-            if self.tp > 1:
-                g += self._ar_a + self._ar_tok * s.num_tokens
-            t = self._overlapped(g, s.num_seqs)
-        else:
-            t = max(mem, comp) + self._ovh + self._seq_ovh * s.num_seqs
-            if self.tp > 1:
-                t += self._ar_a + self._ar_tok * s.num_tokens
+        t = self._with_overhead(max(mem, comp), s.num_seqs, self._ar_a + self._ar_tok * s.num_tokens)
         if s.swap_tokens:
             t += self.swap_time(s.swap_tokens)
         return t
@@ -256,30 +257,14 @@ class RooflineCostModel(CostModel):
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
         mem = self._mem_a + self._mem_ctx * ctx + self._mem_tok * n
         comp = self._c_tok * n + self._c_pair * ctx + self._c_samp * n
-        if self.overlap:
-            g = np.maximum(mem, comp)
-            if self.tp > 1:
-                g = g + (self._ar_a + self._ar_tok * n)
-            return self._overlapped(g, n)
-        t = np.maximum(mem, comp) + (self._ovh + self._seq_ovh * n)
-        if self.tp > 1:
-            t += self._ar_a + self._ar_tok * n
-        return t
+        return self._with_overhead(np.maximum(mem, comp), n, self._ar_a + self._ar_tok * n)
 
     def decode_step_time(self, n: int, ctx: int) -> float:
         # the same operations, in the same order, as decode_step_times (IEEE doubles either way)
         c = float(ctx)
         mem = self._mem_a + self._mem_ctx * c + self._mem_tok * n
         comp = self._c_tok * n + self._c_pair * c + self._c_samp * n
-        if self.overlap:
-            g = mem if mem >= comp else comp
-            if self.tp > 1:
-                g = g + (self._ar_a + self._ar_tok * n)
-            return self._overlapped(g, n)
-        t = (mem if mem >= comp else comp) + (self._ovh + self._seq_ovh * n)
-        if self.tp > 1:
-            t += self._ar_a + self._ar_tok * n
-        return t
+        return self._with_overhead(mem if mem >= comp else comp, n, self._ar_a + self._ar_tok * n)
 
     decode_step_lb = decode_step_time
 
