@@ -1,6 +1,7 @@
 """The simulator against vLLM v0.6's published H100 figures (Llama-3-8B, ShareGPT).
 
     python benchmarks/simulate_vllm_v06.py            # prints the table, writes it into docs/SIMULATION.md
+                                                      # (~5 minutes on two cores)
 
 Published (vLLM blog, 2024-09-05, "vLLM v0.6.0: 2.7x Throughput Improvement and
 5x Latency Reduction"; figures as quoted in /work/shared/data/README.md): one
@@ -33,26 +34,37 @@ per-step overhead (scheduling, input preparation) is paid once per window
 while the per-request term (each token's output processing) is paid every
 step. The rows without multi-step show what it changes.
 
+Cost models: the roofline (the H100 preset) and the profiled H100 model
+(`--cost-model vidur`: vidur's measured H100 profile of Llama-2-7B's
+non-attention layers, scaled token count by token count to Llama-3-8B by the
+two models' measured ratio on A100, plus the LM head's read; attention from
+the roofline). The roofline takes the larger of memory and compute time; the
+profile shows what kernels do near the crossover: steps of 64 / 128 / 256
+tokens take 1.2 / 1.3 / 1.6x the roofline on Llama-2-7B, and a decode of
+50-100 requests or a prefill of one to three ShareGPT prompts is a step of
+that size.
+
 Overhead: vLLM's profile of v0.5.3 on this model and GPU (same blog) put 33%
 of the time in the API server and 29% in scheduling, input preparation and
 output processing, the GPU busy 38%; v0.6 moved the server to its own process
-and amortises or overlaps the rest, so some CPU time per step is left and the
-roofline has none. It is modelled as fixed + per request in the batch
-(`--step-overhead`, `--seq-overhead`). The script reports the H100 preset
-(0.45 ms, 0: a GPU launch floor set from single-request ITL) and the setting of
-a small grid with the smallest worst error over the three figures, one setting
-for all of them: the documented overhead for simulating vLLM-v0.6-like serving
-on H100.
+and amortises or overlaps the rest, so some CPU time per step is left and
+neither model has it. It is modelled as fixed + per request in the batch
+(`--step-overhead`, `--seq-overhead`; the fixed term once per multi-step
+window). The script reports each model with its preset overhead (0.45 ms, 0: a
+GPU launch floor set from single-request ITL) and the setting of a small grid
+with the smallest worst error over the three figures, one setting for all of
+them.
 
-Overlapped output processing (`--overlap-output`, CostModel overlap=True): vLLM
-v0.6's asynchronous output processing turns step N's tokens into outputs on the
-CPU while the GPU computes step N+1, so a step costs the fixed term plus the
-larger of the GPU time and the per-request term times the batch, not their sum.
-The script runs the same grid (with larger per-request terms) in that mode and
-reports its best setting by the worst error, and by the worse of the two TPOTs.
+Draws: the stand-in is a random draw of 500 lengths, and the all-at-once run
+ends with the draw's longest outputs decoding almost alone, so its req/s moves
+by +-15% between draws while the TPOTs move by under 5%. Every figure is the
+median over draws 0-5 (lengths seeded 0-5, the same arrivals), with the range.
 
-    python benchmarks/simulate_vllm_v06.py --setting 0.012,110e-6 --overlap-output --no-docs
+    python benchmarks/simulate_vllm_v06.py --setting 0.003,0 --cost-model vidur --no-docs
                                                       # one setting, the three figures, no grid
+    python benchmarks/simulate_vllm_v06.py --setting 0.012,110e-6 --overlap-output --no-docs
+                                                      # overlapped output processing (CostModel
+                                                      # overlap=True): fixed + max(GPU, per request x batch)
 """
 from __future__ import annotations
 
@@ -60,7 +72,9 @@ import argparse
 import itertools
 import os
 import re
+import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -72,12 +86,12 @@ from shepherd.sim.cost_model import make_cost_model  # noqa: E402
 from shepherd.sim.simulator import SimConfig, Simulator  # noqa: E402
 
 PUBLISHED = {"tpot_2qps": 8e-3, "tpot_32qps": 14e-3, "throughput_req_s": 37.0}
+RATES = {"tpot_2qps": 2.0, "tpot_32qps": 32.0, "throughput_req_s": None}
+COSTS = {"roofline": "roofline", "profiled": "vidur"}
 STEP = [0.45e-3, 1e-3, 2e-3, 3e-3, 4e-3, 6e-3, 8e-3, 12e-3]
-SEQ = [0.0, 10e-6, 20e-6, 30e-6, 40e-6, 60e-6]
-# overlapped, a per-request term changes nothing until it outlasts the forward (~6.5-11 ms)
-OVL_SEQ = [0.0, 40e-6, 80e-6, 100e-6, 110e-6, 120e-6, 140e-6]
+SEQ = [0.0, 10e-6, 20e-6, 40e-6]
 MARK = "vllm-v06"
-SEEDS = [1, 2, 3, 4, 5]
+DRAWS = [0, 1, 2, 3, 4, 5]
 N = 500
 # lognormal means before the skips, set so the kept 500 average 202 and 179 (the blog's)
 PROMPT, OUTPUT = "lognormal:244:1.0", "lognormal:183:0.9"
@@ -107,118 +121,120 @@ def workload(rate, seed=0):
     return reqs
 
 
-def measure(step, seq, sched=VLLM_V06, seed=0, overlap=False):
-    out = {}
-    for key, rate in (("tpot_2qps", 2.0), ("tpot_32qps", 32.0), ("throughput_req_s", None)):
-        cost = make_cost_model("llama-3-8b", "h100", step_overhead=step, seq_overhead=seq, overlap=overlap)
-        res = Simulator(SimConfig(model="llama-3-8b", gpu="h100", replicas=1, cache_bounds=False,
-                                  timeseries=False, scheduler=SchedulerConfig(**sched)),
-                        cost).run(workload(rate, seed))
-        if rate is None:
-            out[key] = res.summary()["throughput_req_s"]
-        else:
-            tpots = [t for t in map(tpot_of, res.records) if t is not None]
-            out[key] = sum(tpots) / len(tpots)     # the blog plots the mean
-    return out
+def one_run(job) -> float:
+    """One figure of one draw: mean TPOT at a rate, or req/s with every request at once."""
+    cost_name, step, seq, sched, overlap, key, seed = job
+    cost = make_cost_model("llama-3-8b", "h100", cost_model=COSTS[cost_name], step_overhead=step,
+                           seq_overhead=seq, overlap=overlap)
+    res = Simulator(SimConfig(model="llama-3-8b", gpu="h100", replicas=1, cache_bounds=False,
+                              timeseries=False, scheduler=SchedulerConfig(**sched)),
+                    cost).run(workload(RATES[key], seed))
+    if RATES[key] is None:
+        return res.summary()["throughput_req_s"]
+    tpots = [t for t in map(tpot_of, res.records) if t is not None]
+    return sum(tpots) / len(tpots)     # the blog plots the mean
+
+
+POOL: ProcessPoolExecutor | None = None
+
+
+def measure(step, seq, sched=VLLM_V06, cost="roofline", overlap=False) -> dict:
+    """Each figure over DRAWS: {key: [value per draw]} (step/seq None: the model's preset)."""
+    jobs = [(cost, step, seq, sched, overlap, key, d) for key in PUBLISHED for d in DRAWS]
+    vals = list(POOL.map(one_run, jobs)) if POOL else [one_run(j) for j in jobs]
+    return {key: vals[i * len(DRAWS):(i + 1) * len(DRAWS)] for i, key in enumerate(PUBLISHED)}
+
+
+def med(m) -> dict:
+    return {k: statistics.median(v) for k, v in m.items()}
 
 
 def err(m):
-    return {k: m[k] / PUBLISHED[k] - 1 for k in PUBLISHED}
+    return {k: v / PUBLISHED[k] - 1 for k, v in med(m).items()}
 
 
-def worst(m, keys=tuple(PUBLISHED)):
-    return max(abs(v) for k, v in err(m).items() if k in keys)
+def worst(m):
+    return max(abs(v) for v in err(m).values())
 
 
-def row(label, step, seq, m, overlap=False):
-    e = err(m)
-    how = f"{step * 1e3:.2f} ms + max(GPU, {seq * 1e6:.0f} us/req)" if overlap else \
-        f"{step * 1e3:.2f} ms + {seq * 1e6:.0f} us/req"
-    return (f"| {label} | {how} | {m['tpot_2qps'] * 1e3:.1f} ({e['tpot_2qps']:+.0%}) "
-            f"| {m['tpot_32qps'] * 1e3:.1f} ({e['tpot_32qps']:+.0%}) | {m['throughput_req_s']:.1f} "
-            f"({e['throughput_req_s']:+.0%}) |")
+def row(cost, label, step, seq, m, overlap=False):
+    e, f = err(m), {"tpot_2qps": 1e3, "tpot_32qps": 1e3, "throughput_req_s": 1}
+    how = "preset (0.45 ms + 0 us/req)" if step is None else (
+        f"{step * 1e3:.2f} ms + " + (f"max(GPU, {seq * 1e6:.0f} us/req)" if overlap else f"{seq * 1e6:.0f} us/req"))
+    cells = [f"{statistics.median(m[k]) * f[k]:.1f} ({e[k]:+.0%}) [{min(m[k]) * f[k]:.1f}-{max(m[k]) * f[k]:.1f}]"
+             for k in PUBLISHED]
+    return f"| {cost} | {label} | {how} | " + " | ".join(cells) + " |"
 
 
-TPOTS = ("tpot_2qps", "tpot_32qps")
-
-
-def grid() -> dict:
-    """The best setting of each mode, as (worst error, step, seq, figures): by the worst of the
-    three figures, and (overlapped) by the worse of the two TPOTs alone."""
-    best: dict = {}
-    for name, sched, seqs, ovl in (("single", SINGLE, SEQ, False), ("multi", VLLM_V06, SEQ, False),
-                                   ("overlap", VLLM_V06, OVL_SEQ, True)):
-        for step, seq in itertools.product(STEP, seqs):
-            m = measure(step, seq, sched, overlap=ovl)
-            print(f"  {name} {step * 1e3:.2f} ms + {seq * 1e6:.0f} us/req: worst {worst(m):.1%}, "
-                  f"TPOTs {worst(m, TPOTS):.1%}", file=sys.stderr)
-            for key, w in ((name, worst(m)), (name + "-tpot", worst(m, TPOTS))):
-                if key != "single-tpot" and (key not in best or w < best[key][0]):
-                    best[key] = (w, step, seq, m)
+def grid(cost) -> tuple:
+    """The multi-step setting with the smallest worst error: (worst, step, seq, figures)."""
+    best = None
+    for step, seq in itertools.product(STEP, SEQ):
+        m = measure(step, seq, cost=cost)
+        print(f"  {cost} {step * 1e3:.2f} ms + {seq * 1e6:.0f} us/req: worst {worst(m):.1%}", file=sys.stderr)
+        if best is None or worst(m) < best[0]:
+            best = (worst(m), step, seq, m)
     return best
 
 
-def spread(step, seq, overlap) -> str:
-    # the stand-in is one draw of 500; other draws of the same lognormals show how much of
-    # each figure is the draw (the all-at-once run ends with its longest outputs decoding alone)
-    others = [measure(step, seq, seed=k, overlap=overlap) for k in SEEDS]
-    return ", ".join(f"{label} {min(o[k] for o in others) * f:.1f}-{max(o[k] for o in others) * f:.1f}"
-                     for k, label, f in (("tpot_2qps", "TPOT @ 2 QPS", 1e3), ("tpot_32qps", "@ 32 QPS", 1e3),
-                                         ("throughput_req_s", "req/s", 1)))
+def command(cost, step, seq, overlap=False) -> str:
+    return (f"--cost-model {COSTS[cost]} --multi-step 10 --step-overhead {step:g} --seq-overhead {seq:g}"
+            + (" --overlap-output" * overlap))
 
 
-def command(step, seq, overlap) -> str:
-    return f"--multi-step 10 --step-overhead {step:g} --seq-overhead {seq:g}" + (" --overlap-output" * overlap)
-
-
-def one_setting(text: str, overlap: bool) -> int:
-    step, seq = (float(x) for x in text.split(","))
-    m = measure(step, seq, overlap=overlap)
-    print(row("multi-step 10", step, seq, m, overlap))
-    print(f"worst {worst(m):.1%}; draws {SEEDS[0]}-{SEEDS[-1]}: {spread(step, seq, overlap)}")
+def one_setting(args) -> int:
+    step, seq = (float(x) for x in args.setting.split(","))
+    m = measure(step, seq, cost=args.cost_model, overlap=args.overlap_output)
+    print(row(args.cost_model, "multi-step 10", step, seq, m, args.overlap_output))
+    print(f"worst {worst(m):.1%}; draw 0: " + ", ".join(f"{k} {v[0]:.4g}" for k, v in m.items()))
     return 0
 
 
+def table() -> tuple[str, str]:
+    lines = ["| cost model | scheduler | overhead: per schedule() + per request per step "
+             "| TPOT mean @ 2 QPS, ms | TPOT mean @ 32 QPS, ms | req/s, all at once |",
+             "|---|---|---|---|---|---|",
+             f"| vLLM v0.6 blog | | | {PUBLISHED['tpot_2qps'] * 1e3:.0f} | {PUBLISHED['tpot_32qps'] * 1e3:.0f} "
+             f"| {PUBLISHED['throughput_req_s']:.0f} |"]
+    best = {}
+    for cost in COSTS:
+        best[cost] = grid(cost)
+        lines += [row(cost, "one step per schedule", None, None, measure(None, None, SINGLE, cost)),
+                  row(cost, "multi-step 10 (the blog's)", None, None, measure(None, None, cost=cost))]
+    doc = min(COSTS, key=lambda c: best[c][0])
+    for cost in COSTS:
+        lines.append(row(cost, "multi-step 10, best overhead" + (" (documented)" if cost == doc else ""),
+                         *best[cost][1:]))
+    longest = ", ".join(str(max(o for _, o in lengths(k))) for k in DRAWS)
+    lines += ["", f"Each cell: the median over draws {DRAWS[0]}-{DRAWS[-1]} of the stand-in (error against the "
+              f"blog) [range]. Longest output of each draw: {longest} tokens."]
+    _, step, seq, _ = best[doc]
+    return "\n".join(lines), command(doc, step, seq)
+
+
 def main() -> int:
+    global POOL
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--setting", metavar="STEP,SEQ", help="measure one overhead setting (seconds), no grid")
+    ap.add_argument("--cost-model", choices=list(COSTS), default="profiled", help="with --setting")
     ap.add_argument("--overlap-output", action="store_true", help="with --setting: overlapped output processing")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations run side by side")
     args = ap.parse_args()
+    POOL = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     if args.setting:
-        return one_setting(args.setting, args.overlap_output)
-    best = grid()
-    doc = min(("multi", "overlap"), key=lambda k: best[k][0])
-    _, step, seq, m = best[doc]
-    lines = ["| scheduler | overhead: per schedule() + per request per step | TPOT mean @ 2 QPS, ms "
-             "| TPOT mean @ 32 QPS, ms | req/s, all at once |",
-             "|---|---|---|---|---|",
-             f"| vLLM v0.6 blog | | {PUBLISHED['tpot_2qps'] * 1e3:.0f} | {PUBLISHED['tpot_32qps'] * 1e3:.0f} "
-             f"| {PUBLISHED['throughput_req_s']:.0f} |",
-             row("one step per schedule, H100 preset", 0.45e-3, 0.0, measure(None, None, SINGLE)),
-             row("one step per schedule, its best overhead", *best["single"][1:]),
-             row("multi-step 10 (the blog's), H100 preset", 0.45e-3, 0.0, measure(None, None))]
-    for key, label in (("multi", "multi-step 10, best overhead"),
-                       ("overlap", "multi-step 10, overlapped output processing, best overhead"),
-                       ("overlap-tpot", "multi-step 10, overlapped output processing, best on the two TPOTs")):
-        lines.append(row(label + (" (documented)" if key == doc else ""), *best[key][1:], key != "multi"))
-    tpot_step, tpot_seq = best["overlap-tpot"][1:3]
-    longest = ", ".join(str(max(o for _, o in lengths(k))) for k in (0, *SEEDS))
-    lines += ["", f"On {len(SEEDS)} other draws of the stand-in (length seeds {SEEDS[0]}-{SEEDS[-1]}): "
-              f"documented setting {spread(step, seq, doc == 'overlap')}; overlapped, best on the two TPOTs "
-              f"{spread(tpot_step, tpot_seq, True)}. Longest output of draws 0-{SEEDS[-1]}: {longest} tokens."]
-    table = "\n".join(lines)
-    print(table)
-    print(f"\nbest worst-case error {best[doc][0]:.1%} at {command(step, seq, doc == 'overlap')}")
+        return one_setting(args)
+    text, cmd = table()
+    print(text)
+    print(f"\ndocumented setting: {cmd}")
     if not args.no_docs:
         path = os.path.join(ROOT, "docs", "SIMULATION.md")
-        text = open(path).read()
-        block = (f"<!-- {MARK} -->\n{table}\n\n`python benchmarks/simulate_vllm_v06.py`; documented setting: "
-                 f"`{command(step, seq, doc == 'overlap')}`; overlapped, best on the two TPOTs: "
-                 f"`{command(tpot_step, tpot_seq, True)}`\n<!-- /{MARK} -->")
+        doc = open(path).read()
+        block = (f"<!-- {MARK} -->\n{text}\n\n`python benchmarks/simulate_vllm_v06.py`; documented setting: "
+                 f"`{cmd}`\n<!-- /{MARK} -->")
         pat = re.compile(rf"<!-- {MARK} -->.*?<!-- /{MARK} -->", re.S)
-        text = pat.sub(block, text) if pat.search(text) else text.rstrip() + "\n\n" + block + "\n"
-        open(path, "w").write(text)
+        doc = pat.sub(lambda _: block, doc) if pat.search(doc) else doc.rstrip() + "\n\n" + block + "\n"
+        open(path, "w").write(doc)
     return 0
 
 

@@ -105,6 +105,26 @@ def test_profile_models():
     assert s.decode_itl(600, 64) > s.decode_itl(600, 1)
 
 
+@pytest.mark.skipif(not (SHARED / "vidur").exists(), reason="shared data not mounted")
+def test_llama3_8b_on_h100_is_transferred_from_the_profiles_that_exist():
+    # vidur never profiled Llama-3-8B on H100: Llama-2-7B's H100 profile is scaled by the two
+    # models' measured ratio on A100. By hand, from derived_nonattention_step_ms.json at 256
+    # tokens: 9.152 x 19.488 / 17.808 = 10.015 ms, plus the LM head's read (128256 x 4096 x 2
+    # bytes at 0.8 x 3.35 TB/s = 0.392 ms)
+    v = fc.from_vidur("llama-3-8b", "h100")
+    assert "h100_meta-llama_Llama-2-7b-hf" in v.meta["source"]
+    lm_head = 128256 * 4096 * 2 / (0.8 * 3.35e12)
+    assert float(v._table(256)) == pytest.approx(10.015e-3 + lm_head, rel=2e-3)
+    assert float(v._table(1)) == pytest.approx(5.851e-3 + lm_head, rel=2e-3)
+    # its one-request ITL stays within 6% of vLLM's published line with the preset's overhead,
+    # which --step-overhead replaces, as it does the roofline's
+    for c in (1024, 8192, 32768):
+        assert v.decode_itl(c) == pytest.approx(cm.vllm_h100_itl(c), rel=0.06)
+    assert v.overhead == (0.45e-3, 0.0)
+    with pytest.raises(FileNotFoundError, match="none to transfer from"):
+        fc.from_vidur("llama-3-8b", "h200")
+
+
 def test_overhead_terms_add_per_step_and_per_request_and_keep_the_fast_path_exact():
     base = cm.RooflineCostModel("llama-3-8b", "h100")
     slow = cm.RooflineCostModel("llama-3-8b", "h100").set_overhead(2e-3, 50e-6)

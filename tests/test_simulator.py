@@ -397,3 +397,15 @@ def test_frontend_latency_adds_to_every_ttft_and_moves_the_engine_side_with_it()
     with pytest.raises(ValueError):
         from shepherd.sim.cost_model import make_cost_model
         make_cost_model(frontend=-1.0)
+
+
+def test_cli_flags_of_vllm_v06_serving_reach_the_scheduler():
+    # the documented vLLM v0.6 command: prefill-only or decode-only steps, windows of 10
+    import argparse
+    from shepherd.sim import sim_cli
+    p = argparse.ArgumentParser()
+    sim_cli.add_arguments(p)
+    cfg = sim_cli.scheduler_config(p.parse_args(["--out", "o", "--no-mixed-steps", "--max-consecutive-prefill",
+                                                 "0", "--multi-step", "10", "--no-prefix-cache"]))
+    assert (cfg.mixed_steps, cfg.max_consecutive_prefill, cfg.multi_step, cfg.prefix_cache) == (False, 0, 10, False)
+    assert sim_cli.scheduler_config(p.parse_args(["--out", "o"])).mixed_steps is True

@@ -13,7 +13,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from shepherd.sim.cost_model import BatchShape, CostModel, RooflineCostModel
-from shepherd.sim.hardware import get_gpu, get_model
+from shepherd.sim.hardware import GPUS, MODELS, GPUSpec, ModelSpec, get_gpu, get_model
 
 
 
@@ -240,45 +240,81 @@ def data_dir() -> Path:
     return shared_data_dir()
 
 
-def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str | Path] = None,
-               *, tp: int = 1) -> FittedCostModel:
-    """Table model from vidur's profiled MLP-side operator times (per layer, by
-    token count) summed over the layers, plus attention over the KV from the
-    GPU's HBM roofline and the per-step overhead of the GPU preset.
+_VIDUR_NAMES = {"Llama-3-8B": "meta-llama_Meta-Llama-3-8B", "Llama-2-7B": "meta-llama_Llama-2-7b-hf",
+                "Llama-2-70B": "meta-llama_Llama-2-70b-hf"}
+_VIDUR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
+              "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
 
-    Uses the raw profile CSV in shared/data/vidur/profiling_compute (medians of
-    every non-attention operator x num_layers, plus embedding once)."""
+
+def _vidur_path(m: ModelSpec, g: GPUSpec) -> Optional[Path]:
+    name = _VIDUR_NAMES.get(m.name)
+    if name is None:
+        return None
+    return data_dir() / "vidur" / "profiling_compute" / f"{g.name.split('-')[0].lower()}_{name}_mlp.csv"
+
+
+def _vidur_table(path: Path, m: ModelSpec, tp: int) -> dict[int, float]:
+    """Seconds by token count: the medians of every non-attention operator x layers, embedding once."""
     import csv
-    m, g = get_model(model), get_gpu(gpu)
-    vid_name = {"Llama-3-8B": "meta-llama_Meta-Llama-3-8B", "Llama-2-7B": "meta-llama_Llama-2-7b-hf",
-                "Llama-2-70B": "meta-llama_Llama-2-70b-hf"}.get(m.name)
-    if path is None:
-        if vid_name is None:
-            raise KeyError(f"no vidur profile for {m.name}")
-        path = data_dir() / "vidur" / "profiling_compute" / f"{g.name.split('-')[0].lower()}_{vid_name}_mlp.csv"
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no vidur profile at {path}")
-    per_layer = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
-                 "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
     table: dict[int, float] = {}
     with path.open() as f:
         for row in csv.DictReader(f):
             if int(row["num_tensor_parallel_workers"]) != tp:
                 continue
-            ms = sum(float(row[f"time_stats.{op}.median"]) for op in per_layer) * m.num_layers
+            ms = sum(float(row[f"time_stats.{op}.median"]) for op in _VIDUR_OPS) * m.num_layers
             ms += float(row["time_stats.emb.median"])
             table[int(row["num_tokens"])] = ms / 1e3
     if not table:
         raise ValueError(f"{path}: no rows for tensor parallel {tp}")
+    return table
+
+
+def _vidur_transfer(m: ModelSpec, g: GPUSpec, tp: int) -> tuple[dict[int, float], str]:
+    """No profile of `m` on `g`: a model R profiled on `g`, scaled token count by token count by
+    m's / R's times on a GPU h where both were profiled: T(m, g) = T(R, g) x T(m, h) / T(R, h).
+    Llama-3-8B on H100 comes from Llama-2-7B on H100 and both on A100. On A100 the ratio of the
+    two measured profiles is their rooflines' ratio to 2 % (median over 259 token counts; at most
+    13 %, near 300 tokens, where the two models' crossovers differ)."""
+    for ref in MODELS.values():
+        on_g = _vidur_path(ref, g)
+        if ref.name == m.name or on_g is None or not on_g.exists():
+            continue
+        for h in GPUS.values():
+            pm, pr = _vidur_path(m, h), _vidur_path(ref, h)
+            if h.name != g.name and pm and pr and pm.exists() and pr.exists():
+                a, b, c = _vidur_table(on_g, ref, tp), _vidur_table(pm, m, tp), _vidur_table(pr, ref, tp)
+                return ({x: a[x] * b[x] / c[x] for x in sorted(set(a) & set(b) & set(c))},
+                        f"{on_g.name} x {pm.name} / {pr.name}")
+    raise FileNotFoundError(f"no vidur profile of {m.name} on {g.name}, and none to transfer from")
+
+
+def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str | Path] = None,
+               *, tp: int = 1) -> FittedCostModel:
+    """Table model from vidur's profiled MLP-side operator times (shared/data/vidur/
+    profiling_compute: medians of every non-attention operator x layers, embedding once, by
+    token count) plus the LM head's weight read (the profile has no LM head; every step pays
+    it), with attention over the KV, prefill attention and the LM head's FLOPs from the GPU's
+    roofline and the preset's per-step overhead. Without a profile of this model on this GPU, a profiled one is
+    transferred (`_vidur_transfer`; meta["source"] says which)."""
+    m, g = get_model(model), get_gpu(gpu)
+    direct = Path(path) if path is not None else _vidur_path(m, g)
+    if path is not None and not direct.exists():
+        raise FileNotFoundError(f"no vidur profile at {direct}")
+    if direct is not None and direct.exists():
+        table, source = _vidur_table(direct, m, tp), str(direct)
+    else:
+        table, source = _vidur_transfer(m, g, tp)
     roof = RooflineCostModel(m, g, tp=tp)
+    lm_head = m.embedding_params * m.dtype_bytes / (g.hbm_bw * g.mem_eff * tp)
     xs = sorted(table)
-    ys = [table[x] + roof._ovh for x in xs]
-    coef = {"ctx_tokens": roof._mem_ctx, "prefill_pairs": roof._c_pair, "num_seqs": roof._seq_ovh,
-            "sampled": roof._c_samp}
+    ys = [table[x] + lm_head for x in xs]
+    coef = {"ctx_tokens": roof._mem_ctx, "prefill_pairs": roof._c_pair, "sampled": roof._c_samp}
+    # the preset's overhead as the model's own (not in the table), so --step-overhead replaces it
+    # as it does the roofline's, and multi-step pays it once per window
     return FittedCostModel(grid_tokens=xs, grid_s=ys, coef=coef, kv_bytes_per_token=m.kv_bytes_per_token,
                            pcie_bw=roof.pcie_bw, name=f"vidur:{m.name}/{g.name}" + (f"x{tp}" if tp > 1 else ""),
-                           meta={"source": str(path), "kv_capacity_tokens": roof.kv_capacity_tokens()})
+                           meta={"source": source, "kv_capacity_tokens": roof.kv_capacity_tokens()},
+                           cpu_fixed=roof._ovh, cpu_per_req=roof._seq_ovh)
 
 
 def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,

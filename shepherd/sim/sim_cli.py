@@ -37,6 +37,8 @@ def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--victim", choices=VICTIMS, default=s.victim)
     k.add_argument("--policy", choices=POLICIES, default=s.policy)
     k.add_argument("--no-prefix-cache", action="store_true")
+    k.add_argument("--no-mixed-steps", action="store_true",
+                   help="a step is prefill-only or decode-only (vLLM v0 without chunked prefill)")
     k.add_argument("--max-consecutive-prefill", type=int, default=s.max_consecutive_prefill)
     k.add_argument("--decode-first-prefill-every", type=int, default=s.decode_first_prefill_every)
     k.add_argument("--multi-step", type=int, default=s.multi_step,
@@ -123,7 +125,8 @@ def scheduler_config(args) -> SchedulerConfig:
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
         admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
-        prefix_cache=not args.no_prefix_cache, max_consecutive_prefill=args.max_consecutive_prefill,
+        prefix_cache=not args.no_prefix_cache, mixed_steps=not args.no_mixed_steps,
+        max_consecutive_prefill=args.max_consecutive_prefill,
         decode_first_prefill_every=args.decode_first_prefill_every, multi_step=args.multi_step,
         aging_steps=args.aging_steps, seed=args.seed)
     return cfg
