@@ -1,5 +1,7 @@
-"""The cost model against vLLM's published single-request ITL of Llama-3-8B on
-one H100 (6.44 ms + 4.37e-5 ms per context token), contexts 1k-32k.
+"""The cost models against vLLM's published single-request ITL of Llama-3-8B on
+one H100 (6.44 ms + 4.37e-5 ms per context token), contexts 1k-32k: the
+roofline, and the profiled model (`--cost-model vidur`, transferred from
+Llama-2-7B's H100 profile).
 
     .venv/bin/python benchmarks/simulate_itl_check.py
 """
@@ -9,11 +11,12 @@ from shepherd.sim.fitted_cost import from_vidur
 
 def main() -> None:
     roof = RooflineCostModel("llama-3-8b", "h100")
-    print("| context | vLLM blog (ms) | roofline model (ms) | error |")
-    print("|---:|---:|---:|---:|")
+    prof = from_vidur("llama-3-8b", "h100")
+    print("| context | vLLM blog (ms) | roofline model (ms) | error | profiled model (ms) | error |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for c in (1024, 2048, 4096, 8192, 16384, 32768):
-        ref, got = vllm_h100_itl(c) * 1e3, roof.decode_itl(c) * 1e3
-        print(f"| {c:,} | {ref:.2f} | {got:.2f} | {got / ref - 1:+.1%} |")
+        ref, got, pro = vllm_h100_itl(c) * 1e3, roof.decode_itl(c) * 1e3, prof.decode_itl(c) * 1e3
+        print(f"| {c:,} | {ref:.2f} | {got:.2f} | {got / ref - 1:+.1%} | {pro:.2f} | {pro / ref - 1:+.1%} |")
     print()
     print("Batch decode, Llama-3-8B / H100, ms per step (roofline):")
     print("| batch \\ context | 512 | 2048 | 8192 |")

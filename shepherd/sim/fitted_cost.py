@@ -297,11 +297,11 @@ def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str 
     roofline and the preset's per-step overhead. Without a profile of this model on this GPU, a profiled one is
     transferred (`_vidur_transfer`; meta["source"] says which)."""
     m, g = get_model(model), get_gpu(gpu)
-    direct = Path(path) if path is not None else _vidur_path(m, g)
-    if path is not None and not direct.exists():
-        raise FileNotFoundError(f"no vidur profile at {direct}")
-    if direct is not None and direct.exists():
-        table, source = _vidur_table(direct, m, tp), str(direct)
+    own = Path(path) if path is not None else _vidur_path(m, g)
+    if own is not None and own.exists():
+        table, source = _vidur_table(own, m, tp), str(own)
+    elif path is not None:
+        raise FileNotFoundError(f"no vidur profile at {own}")
     else:
         table, source = _vidur_transfer(m, g, tp)
     roof = RooflineCostModel(m, g, tp=tp)
