@@ -206,6 +206,23 @@ def test_overlap_output_step_is_fixed_plus_the_larger_of_gpu_and_cpu():
     assert fc.FittedCostModel.from_json(fit.to_json()).overlap
 
 
+def test_calibrate_served_points_take_the_median_of_interleaved_rounds():
+    """A slow spell of a few seconds (here: the whole second round, 40 % slow) must not move
+    any served point: the rounds interleave the points, and each point is its rounds' median."""
+    from shepherd.sim.calibrate import served_points
+    calls = []
+
+    def measure(conc, seed):
+        calls.append(conc)
+        slow = 1.4 if len(calls) in range(4, 7) else 1.0    # calls 4-6: the second round
+        return [slow * (8e-3 + 5e-4 * conc)] * 3, ([slow * 0.07] if conc == 1 else [])
+    points, ttft1 = served_points(measure, [1, 4, 16], rounds=3)
+    assert calls == [1, 4, 16] * 3
+    assert points == [(1, 160, pytest.approx(8.5e-3)), (4, 160, pytest.approx(10e-3)),
+                      (16, 160, pytest.approx(16e-3))]
+    assert ttft1 == pytest.approx(0.07)
+
+
 def test_calibrate_served_sets_the_frontend_latency_from_one_requests_ttft(monkeypatch):
     """served_overhead: the step overhead from the TPOT points, then the frontend latency =
     the lone request's TTFT minus the (now overhead-including) modelled prefill of its prompt."""

@@ -22,8 +22,8 @@ override them).
 
 With --served it then measures what the scheduler timing leaves out: it starts
 `shepherd serve` with the same model, dtype and threads, streams a few
-requests over HTTP at 1 and at each --served-concurrency requests in flight,
-and takes TPOT p50 minus the fitted step time at the same batch and context as
+requests over HTTP at 1 and at each --served-concurrency requests in flight
+(--served-rounds times, interleaved, the median of each), and takes TPOT p50 minus the fitted step time at the same batch and context as
 the per-step overhead a user sees (fixed + per request, least squares over
 the points): the engine loop, the pipe to the server,
 detokenising and SSE, and the client, all on the same cores
@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure the per-step overhead of the served path over HTTP (starts `shepherd serve`)")
     p.add_argument("--served-concurrency", default="2,4,8,16",
                    help="requests in flight of the served fit's points beside 1 (comma list)")
+    p.add_argument("--served-rounds", type=int, default=3,
+                   help="measure every served point this many times, interleaved; each point is the median")
     p.add_argument("--served-args", default="", help="extra `shepherd serve` flags for --served (one string)")
 
 
@@ -232,13 +234,14 @@ def measure_served(args, ecfg) -> tuple[list[tuple[int, float, float]], Optional
     of 128-token prompts and 64 output tokens, against a `shepherd serve` started
     here, and the TTFT p50 of the one-at-a-time requests. The concurrent requests
     start together, so their TPOT spans decode-only steps of that batch, which is
-    what the fit subtracts."""
-    import asyncio
-    import statistics
+    what the fit subtracts. Each point is the median over --served-rounds rounds, and
+    the rounds interleave the points: one point of a round is a few seconds, and a
+    slow spell of this machine that long (one round's 16-in-flight TPOT once came out
+    22 ms against 15-17 in the others) then moves one round of several points, not
+    the median."""
     import subprocess
 
     from shepherd.bench import loadgen, prompts
-    from shepherd.bench.stream import tpot_of
     port = loadgen.free_port()
     cmd = [sys.executable, "-m", "shepherd", "serve", *([args.model] if args.model else []),
            "--port", str(port), "--dtype", ecfg.dtype]
@@ -251,31 +254,55 @@ def measure_served(args, ecfg) -> tuple[list[tuple[int, float, float]], Optional
     try:
         loadgen.wait_healthy(url, server, timeout=150, what="`shepherd serve`")
         tok = prompts.load_tokenizer(args.model)
-        points, ttft1 = [], None
-        concs = [int(c) for c in str(args.served_concurrency).split(",") if c.strip()]
-        for i, conc in enumerate([1, 1] + concs):   # the first is warm-up
-            n = conc if conc > 1 else 6   # all at once: after one prefill, decode-only steps
-            trace = loadgen.synthetic(n, input_len="128", output_len="64", seed=7 + i)
-            builder = prompts.PromptBuilder(tok, seed=7 + i)
-            reqs = [loadgen.BenchRequest(req_id=f"cal-{i}-{j}", trace=tr, prompt=builder.build(tr, j))
-                    for j, tr in enumerate(trace)]
-            res = asyncio.run(loadgen.run_load(reqs, loadgen.LoadConfig(
-                url=url, max_concurrency=conc, progress=False, poll_metrics=False)))
-            tp = [t for t in (tpot_of(r) for r in res.records if r.ok) if t]
-            if i == 1:
-                ft = [r.ttft for r in res.records if r.ok and r.ttft is not None]
-                ttft1 = statistics.median(ft) if ft else None
-            if i and tp:
-                points.append((conc, 128 + 32, statistics.median(tp)))
-                print(f"calibrate: served, {conc} in flight: TPOT p50 {points[-1][2] * 1e3:.2f} ms",
-                      file=sys.stderr)
-        return points, ttft1
+        concs = [1] + [int(c) for c in str(args.served_concurrency).split(",") if c.strip()]
+        _served_round(url, tok, 1, seed=7)      # warm-up
+        return served_points(lambda conc, seed: _served_round(url, tok, conc, seed), concs, args.served_rounds)
     finally:
         server.terminate()
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def served_points(measure: Callable, concs: list[int], rounds: int
+                  ) -> tuple[list[tuple[int, float, float]], Optional[float]]:
+    """Run measure(conc, seed) -> (TPOTs, TTFTs) for every point of `concs`, `rounds`
+    times, round by round; each point's TPOT is the median of its rounds' medians, the
+    TTFT the median of every one-at-a-time request's."""
+    import statistics
+    tpots: dict[int, list[float]] = {c: [] for c in concs}
+    ttfts: list[float] = []
+    for r in range(max(1, rounds)):
+        for i, conc in enumerate(concs):
+            tp, ft = measure(conc, 8 + r * len(concs) + i)
+            if tp:
+                tpots[conc].append(statistics.median(tp))
+            if conc == 1:
+                ttfts += ft
+    points = [(c, 128 + 32, statistics.median(v)) for c, v in tpots.items() if v]
+    for c, _, t in points:
+        print(f"calibrate: served, {c} in flight: TPOT p50 {t * 1e3:.2f} ms (rounds: "
+              f"{', '.join(f'{x * 1e3:.2f}' for x in tpots[c])})", file=sys.stderr)
+    return points, (statistics.median(ttfts) if ttfts else None)
+
+
+def _served_round(url: str, tok, conc: int, seed: int) -> tuple[list[float], list[float]]:
+    """One point: `conc` requests started together (six one at a time when conc is 1);
+    their TPOTs and TTFTs."""
+    import asyncio
+
+    from shepherd.bench import loadgen, prompts
+    from shepherd.bench.stream import tpot_of
+    n = conc if conc > 1 else 6
+    trace = loadgen.synthetic(n, input_len="128", output_len="64", seed=seed)
+    builder = prompts.PromptBuilder(tok, seed=seed)
+    reqs = [loadgen.BenchRequest(req_id=f"cal-{seed}-{j}", trace=tr, prompt=builder.build(tr, j))
+            for j, tr in enumerate(trace)]
+    res = asyncio.run(loadgen.run_load(reqs, loadgen.LoadConfig(
+        url=url, max_concurrency=conc, progress=False, poll_metrics=False)))
+    ok = [r for r in res.records if r.ok]
+    return [t for t in (tpot_of(r) for r in ok) if t], [r.ttft for r in ok if r.ttft is not None]
 
 
 def fit_overhead(host: list) -> tuple[float, float]:
