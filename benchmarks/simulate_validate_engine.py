@@ -149,32 +149,37 @@ METRICS = (("ttft_p50", "ms", 1e3), ("tpot_p50", "ms", 1e3), ("output_tok_s", "t
            ("throughput_req_s", "req/s", 1))
 
 
+def predicted(sims, key):
+    """A run's simulated figure: the mean over its calibrations (both ends of the bracket);
+    None where a simulation lacks it."""
+    vals = [s.get(key) for s in sims]
+    return None if None in vals else sum(vals) / len(vals)
+
+
 def render(runs) -> str:
     """Per figure: the real and simulated values (medians over the runs), sim / real in each
-    run, and its median. A run's simulated figure is the mean over its calibrations (both
-    ends of the bracket)."""
+    run, and its median."""
     lines = ["| workload | metric | real engine (bench) | simulated | sim / real, run by run | sim / real |",
              "|---|---|---:|---:|---:|---:|"]
     ok_runs = [True] * len(runs)
     for w, (label, *_) in enumerate(runs[0][0]):
         for key, unit, scale in METRICS:
-            real, sim = [], []
-            for rows, _ in runs:
+            got = {}    # run index -> (real, simulated)
+            for r, (rows, _) in enumerate(runs):
                 _, b, sims, _ = rows[w]
-                if b.get(key) and None not in [s.get(key) for s in sims]:
-                    real.append(b[key])
-                    sim.append(sum(s[key] for s in sims) / len(sims))
-            if not real:
+                if b.get(key) and predicted(sims, key) is not None:
+                    got[r] = (b[key], predicted(sims, key))
+            if not got:
                 lines.append(f"| {label} | {key} | - | - | - | - |")
                 continue
-            ratios = [s / r for s, r in zip(sim, real)]
-            for r, x in enumerate(ratios):
+            ratios = {r: s / b for r, (b, s) in got.items()}
+            for r, x in ratios.items():
                 ok_runs[r] &= abs(x - 1) <= 0.10
-            med = statistics.median(ratios)
+            med = statistics.median(ratios.values())
             flag = "" if abs(med - 1) <= 0.10 else " **(>10%)**"
-            lines.append(f"| {label} | {key} | {statistics.median(real) * scale:.1f} {unit} | "
-                         f"{statistics.median(sim) * scale:.1f} {unit} | "
-                         f"{' / '.join(f'{x:.2f}' for x in ratios)} | {med:.2f}{flag} |")
+            lines.append(f"| {label} | {key} | {statistics.median(b for b, _ in got.values()) * scale:.1f} {unit} | "
+                         f"{statistics.median(s for _, s in got.values()) * scale:.1f} {unit} | "
+                         f"{' / '.join(f'{x:.2f}' for x in ratios.values())} | {med:.2f}{flag} |")
     return "\n".join(lines) + (f"\n\nRuns with every figure within 10 %: {sum(ok_runs)} of {len(runs)}. "
                                "Real and simulated values: medians over the runs.")
 
@@ -182,13 +187,13 @@ def render(runs) -> str:
 def render_methods(rows) -> str:
     """How many of the figures each way of using the calibrations brings within 10 %: the
     bracket's mean, either end alone, and one calibration up front for every workload."""
-    ways = {"mean of before and after": lambda sims, once: (sims[0] + sims[-1]) / 2,
-            "before only": lambda sims, once: sims[0], "after only": lambda sims, once: sims[-1],
-            "one calibration before all": lambda sims, once: once}
+    ways = {"mean of before and after": lambda sims, once: sims,
+            "before only": lambda sims, once: sims[:1], "after only": lambda sims, once: sims[-1:],
+            "one calibration before all": lambda sims, once: [once]}
     cells = []
     for way, pick in ways.items():
-        ratios = [pick([s[k] for s in sims], once[k]) / b[k] for _, b, sims, once in rows
-                  for k, _, _ in METRICS if b.get(k)]
+        ratios = [predicted(pick(sims, once), k) / b[k] for _, b, sims, once in rows
+                  for k, _, _ in METRICS if b.get(k) and predicted(pick(sims, once), k) is not None]
         worst = max(ratios, key=lambda r: abs(r - 1))
         cells.append(f"{way}: {sum(abs(r - 1) <= 0.10 for r in ratios)} of {len(ratios)} within 10 % "
                      f"(worst {worst:.2f})")

@@ -23,11 +23,11 @@ override them).
 With --served it then measures what the scheduler timing leaves out: it starts
 `shepherd serve` with the same model, dtype and threads, streams a few
 requests over HTTP at 1 and at each --served-concurrency requests in flight
-(--served-rounds times, interleaved, the median of each), and takes TPOT p50 minus the fitted step time at the same batch and context as
-the per-step overhead a user sees (fixed + per request, least squares over
-the points): the engine loop, the pipe to the server,
-detokenising and SSE, and the client, all on the same cores
-(`served_overhead` in the JSON's meta). The simulator then predicts served
+(--served-rounds times, interleaved, the median of each), and takes TPOT p50
+minus the fitted step time at the same batch and context as the per-step
+overhead a user sees (fixed + per request, least squares over the points):
+the engine loop, the pipe to the server, detokenising and SSE, and the
+client, all on the same cores (`served_overhead` in the JSON's meta). The simulator then predicts served
 latency, not the bare executor's.
 """
 from __future__ import annotations
@@ -39,6 +39,11 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
+
+
+# the served points' requests: the fit subtracts the step at their mean context (prompt plus
+# half the output), and the frontend latency the prefill of one such prompt
+SERVED_PROMPT, SERVED_OUTPUT = 128, 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,7 +214,7 @@ def served_overhead(args, ecfg, model) -> tuple[float, float]:
     fixed, per_req = max(sched_fixed, sfixed), max(sched_per, sper)
     model.set_overhead(fixed, per_req)
     if ttft1 is not None:
-        model.frontend = max(0.0, ttft1 - model.shape_time(BatchShape.prefill(128)))
+        model.frontend = max(0.0, ttft1 - model.shape_time(BatchShape.prefill(SERVED_PROMPT)))
     model.meta["served_overhead"] = {"points": [list(p) for p in points], "fixed": sfixed, "per_req": sper,
                                      "scheduler_fixed": sched_fixed, "scheduler_per_req": sched_per,
                                      "ttft_1": ttft1, "frontend": model.frontend}
@@ -231,7 +236,7 @@ def fit_served_overhead(points, model) -> tuple[float, float]:
 
 def measure_served(args, ecfg) -> tuple[list[tuple[int, float, float]], Optional[float]]:
     """(requests in flight, mean context, TPOT p50) at 1 and each --served-concurrency
-    of 128-token prompts and 64 output tokens, against a `shepherd serve` started
+    of SERVED_PROMPT-token prompts and SERVED_OUTPUT output tokens, against a `shepherd serve` started
     here, and the TTFT p50 of the one-at-a-time requests. The concurrent requests
     start together, so their TPOT spans decode-only steps of that batch, which is
     what the fit subtracts. Each point is the median over --served-rounds rounds, and
@@ -280,7 +285,7 @@ def served_points(measure: Callable, concs: list[int], rounds: int
                 tpots[conc].append(statistics.median(tp))
             if conc == 1:
                 ttfts += ft
-    points = [(c, 128 + 32, statistics.median(v)) for c, v in tpots.items() if v]
+    points = [(c, SERVED_PROMPT + SERVED_OUTPUT // 2, statistics.median(v)) for c, v in tpots.items() if v]
     for c, _, t in points:
         print(f"calibrate: served, {c} in flight: TPOT p50 {t * 1e3:.2f} ms (rounds: "
               f"{', '.join(f'{x * 1e3:.2f}' for x in tpots[c])})", file=sys.stderr)
@@ -295,7 +300,7 @@ def _served_round(url: str, tok, conc: int, seed: int) -> tuple[list[float], lis
     from shepherd.bench import loadgen, prompts
     from shepherd.bench.stream import tpot_of
     n = conc if conc > 1 else 6
-    trace = loadgen.synthetic(n, input_len="128", output_len="64", seed=seed)
+    trace = loadgen.synthetic(n, input_len=str(SERVED_PROMPT), output_len=str(SERVED_OUTPUT), seed=seed)
     builder = prompts.PromptBuilder(tok, seed=seed)
     reqs = [loadgen.BenchRequest(req_id=f"cal-{seed}-{j}", trace=tr, prompt=builder.build(tr, j))
             for j, tr in enumerate(trace)]
