@@ -242,7 +242,7 @@ def test_bf16_gemm_kernel_matches_float_matmul_and_is_row_invariant():
     k, owner = _kernel_owner()
     if not k.bf16_mm:
         pytest.skip("no AVX-512 on this CPU (oneDNN runs the bf16 GEMMs)")
-    forms = ["fma"] + (["dpbf16"] if k._lib.has_bf16_dp() else [])
+    forms = ["fma"] + (["dpbf16"] if k.lib.has_bf16_dp() else [])
     for form in forms:   # both inner blocks, whichever this process would pick
         k.bf16_form = form
         _check_bf16_gemm(owner, form)

@@ -16,6 +16,9 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+/* KERNEL() and the LW_* weight order: generated from kernel_abi.py by the build (kernels.py).
+ * Every function Python calls is defined through KERNEL(), whose signature is checked at load. */
+#include "kernel_abi.h"
 
 #define LANES 16
 
@@ -332,9 +335,9 @@ static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16
 }
 #endif
 
-void attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1, uint16_t *out,
-                    int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab,
-                    const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale) {
+KERNEL(void, attention_bf16, const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1, uint16_t *out,
+                             int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab,
+                             const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale) {
 #if defined(__AVX512BF16__)
     if (hd % 32 == 0 && hd / 32 <= AMAXC && H / KVH <= AMAXG && max_ctx > 0) {
         attention_vec_bf16(q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale);
@@ -344,15 +347,15 @@ void attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool, i
     attention_ref_bf16(q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale);
 }
 
-void attention_f32(const float *q, int64_t q_stride, const float *pool, int64_t cap1, float *out,
-                   int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab,
-                   const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale) {
+KERNEL(void, attention_f32, const float *q, int64_t q_stride, const float *pool, int64_t cap1, float *out,
+                            int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab,
+                            const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale) {
     attention_ref_f32(q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale);
 }
 
 /* index of the largest value of each row (the first one on ties, as torch.argmax); a NaN
  * row falls back to the scalar rule NaN > everything, first NaN wins */
-void argmax_rows(const float *x, int64_t rows, int64_t V, int64_t *out) {
+KERNEL(void, argmax_rows, const float *x, int64_t rows, int64_t V, int64_t *out) {
     #pragma omp parallel for schedule(static) if(rows >= 8)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * V;
@@ -402,7 +405,7 @@ void argmax_rows(const float *x, int64_t rows, int64_t V, int64_t *out) {
  * Packed weights, 16 output rows (a tile) x one group per 320-byte block, tile-major:
  *   bytes [0, 256): byte 64c + 4l + j = q[16t + l][32g + 4c + j] | q[16t + l][32g + 16 + 4c + j] << 4
  *   bytes [256, 288): d of the 16 rows (fp16); [288, 320): m (fp16). */
-int has_w4a8(void) {
+KERNEL(int, has_w4a8, void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
     return 1;
 #else
@@ -411,7 +414,7 @@ int has_w4a8(void) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
-void quant_groups_bf16(const uint16_t *x, int8_t *q, float *dx, float *sx, int64_t rows, int64_t K) {
+KERNEL(void, quant_groups_bf16, const uint16_t *x, int8_t *q, float *dx, float *sx, int64_t rows, int64_t K) {
     const int64_t NG = K / 32;
     #pragma omp parallel for schedule(static) if(rows >= 32)
     for (int64_t r = 0; r < rows; r++)
@@ -429,8 +432,8 @@ void quant_groups_bf16(const uint16_t *x, int8_t *q, float *dx, float *sx, int64
 }
 
 #define W4BLK 320
-void w4a8_mm_bf16(const int8_t *xq, const float *dx, const float *sx, int64_t rows, int64_t K,
-                  const uint8_t *w, int64_t N, uint16_t *y) {
+KERNEL(void, w4a8_mm_bf16, const int8_t *xq, const float *dx, const float *sx, int64_t rows, int64_t K,
+                           const uint8_t *w, int64_t N, uint16_t *y) {
     const int64_t NG = K / 32, NT = N / 16;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     #pragma omp parallel for schedule(static)
@@ -484,7 +487,7 @@ void w4a8_mm_bf16(const int8_t *xq, const float *dx, const float *sx, int64_t ro
  *
  * Packed weights, tile t = output rows 16t..16t+15, k-pair major: element (kp, lane, j) at
  * w[t * 16K + 32 kp + 2 lane + j] = W[16t + lane][2 kp + j]. A tile is one contiguous stream. */
-int has_bf16_mm(void) {
+KERNEL(int, has_bf16_mm, void) {
 #if defined(__AVX512F__)
     return 1;
 #else
@@ -558,7 +561,7 @@ static double bf_now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-int has_bf16_dp(void) {
+KERNEL(int, has_bf16_dp, void) {
 #if defined(__AVX512BF16__)
     return 1;
 #else
@@ -568,7 +571,7 @@ int has_bf16_dp(void) {
 
 /* 1 when vdpbf16ps does at least as many MACs per second as float32 FMAs on this core (best of
  * three runs of 12 independent chains, ~1 ms in all): the dp form's condition. */
-int bf16_dp_pays(void) {
+KERNEL(int, bf16_dp_pays, void) {
 #if defined(__AVX512BF16__)
     double tf = 1e9, td = 1e9;
     const long n = 100000;
@@ -666,8 +669,8 @@ static void bf16_mm_items(const uint16_t *x, const float *xf, int64_t rows, int6
 }
 
 /* dp: 1 for the vdpbf16ps form (only where the CPU has it), 0 for the FMA form */
-void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
-             const uint16_t *bias, void *y, int out_f32, int dp) {
+KERNEL(void, bf16_mm, const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N,
+                      const uint16_t *bias, void *y, int out_f32, int dp) {
 #if !defined(__AVX512BF16__)
     dp = 0;
 #endif
@@ -686,12 +689,11 @@ void bf16_mm(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int6
  * bit-identical to it. What it saves is the ~9 calls a layer makes from Python, each with its
  * ctypes call, output allocation and OpenMP fork/join: here the ops are separated by the
  * barriers that end each `omp for`, and the threads stay in one region for the whole stack.
- * lw: LW_N pointers per layer (below); 0 for no qkv bias, and for the last layer's next norm.
+ * lw: LW_N pointers per layer (kernel_abi.LAYER_WEIGHTS, the generated LW_* enum); 0 for no qkv
+ * bias, and for the last layer's next norm.
  * On entry h = rmsnorm(x) * ln1 of layer 0; on return x is the residual stream after the last
  * layer (h, qkv, att, gu, act, tmp: scratch of M rows; xf: M * max(K) floats, FMA form only). */
-enum { LW_QKV, LW_QKV_B, LW_O, LW_GU, LW_DOWN, LW_LN2, LW_LN1_NEXT, LW_N };
-
-int forward_bf16_supports(int64_t H, int64_t KVH, int64_t hd) {
+KERNEL(int, forward_bf16_supports, int64_t H, int64_t KVH, int64_t hd) {
 #if defined(__AVX512BF16__)
     return hd % 32 == 0 && hd / 32 <= AMAXC && H % KVH == 0 && H / KVH <= AMAXG;
 #else
@@ -707,12 +709,11 @@ static inline void mm_in_region(const uint16_t *x, float *xf, int64_t M, int64_t
     bf16_mm_items(x, xf, M, K, PTR(const uint16_t *, w), N, PTR(const uint16_t *, bias), y, 0, dp);
 }
 
-void forward_bf16(int64_t L, const int64_t *lw, uint16_t *x, uint16_t *h, uint16_t *qkv, uint16_t *att,
-                  uint16_t *gu, uint16_t *act, uint16_t *tmp, float *xf, int64_t M, int64_t D, int64_t H,
-                  int64_t KVH, int64_t hd, int64_t I, const int64_t *pos, const float *cos_t,
-                  const float *sin_t, uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots,
-                  const int64_t *slot_tab, const int64_t *off, const int64_t *ctx, int64_t max_ctx,
-                  float scale, float eps, int dp) {
+KERNEL(void, forward_bf16, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *h, uint16_t *qkv,
+       uint16_t *att, uint16_t *gu, uint16_t *act, uint16_t *tmp, float *xf, int64_t M, int64_t D, int64_t H,
+       int64_t KVH, int64_t hd, int64_t I, const int64_t *pos, const float *cos_t, const float *sin_t,
+       uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots, const int64_t *slot_tab,
+       const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, float eps, int dp) {
     const int64_t W = (H + 2 * KVH) * hd, npad = (max_ctx + 15) / 16 * 16;
     #pragma omp parallel
     {
@@ -746,7 +747,7 @@ void forward_bf16(int64_t L, const int64_t *lw, uint16_t *x, uint16_t *h, uint16
  * float32 FMA chain over k = 0..K-1 in order (batch-invariant for any M), the activations exact
  * (bf16 -> fp32). Each int8 weight is widened once per block of up to 6 rows.
  * Packed weights, 64 output rows (a unit) per k-major run: w[u * 64K + 64 k + lane] = q[64u + lane][k]. */
-int has_w8_mm(void) {
+KERNEL(int, has_w8_mm, void) {
 #ifdef __AVX512F__
     return 1;
 #else
@@ -773,8 +774,8 @@ static inline __attribute__((always_inline)) void w8_block(const float *x, int64
     }
 }
 
-void w8_mm_bf16(const uint16_t *x, int64_t rows, int64_t K, const int8_t *w, const float *s, int64_t N,
-                void *y, int out_f32) {
+KERNEL(void, w8_mm_bf16, const uint16_t *x, int64_t rows, int64_t K, const int8_t *w, const float *s, int64_t N,
+                         void *y, int out_f32) {
     const int64_t NU = N / 64;
     float *xf = malloc(sizeof(float) * rows * K);
     for (int64_t i = 0; i < rows * K; i++) xf[i] = bf2f(x[i]);

@@ -6,8 +6,10 @@ raw pointers. OpenMP regions run on torch's own libgomp (already loaded by `impo
 same soname), so the two share one thread pool and torch.set_num_threads applies to both.
 
 The build lands in $SHEPHERD_CACHE_DIR (default <repo>/.cache/kernels), keyed by a hash of
-the source and the compiler flags, so a restart reuses it. If gcc is missing or the build
-fails, `load()` returns None and the model runs its pure-torch path.
+the source, the generated header and the compiler flags, so a restart reuses it. If gcc is
+missing or the build fails, `load()` returns None and the model runs its pure-torch path. The
+seam itself (every kernel's signature, the layer weight order) is declared in kernel_abi.py and
+checked at load: a library that disagrees with it raises KernelABIError instead of running.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import time
 from typing import Optional
 
 import torch
+
+from shepherd.model import kernel_abi
 
 log = logging.getLogger("shepherd")
 
@@ -40,12 +44,14 @@ def cache_dir() -> str:
     return os.path.join(d, "kernels")
 
 
-def _build() -> Optional[str]:
+def build() -> Optional[str]:
+    """The path of the built library (built now unless cached), or None (no compiler, or it failed)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         log.warning("no C compiler found: fused kernels off, pure-torch forward")
         return None
-    src = b""
+    header = kernel_abi.abi_header().encode()
+    src = header
     for path in (_SRC, _SRC[:-2] + "_body.h"):   # the build key covers the included body too
         with open(path, "rb") as f:
             src += f.read()
@@ -65,7 +71,10 @@ def _build() -> Optional[str]:
     t0 = time.perf_counter()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    r = subprocess.run([cc, *_FLAGS, _SRC, "-o", tmp, "-lm"], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as inc:
+        with open(os.path.join(inc, "kernel_abi.h"), "wb") as f:
+            f.write(header)
+        r = subprocess.run([cc, *_FLAGS, "-I", inc, _SRC, "-o", tmp, "-lm"], capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)
         log.warning("building the fused kernels failed (pure-torch forward instead):\n%s", r.stderr[-2000:])
@@ -75,59 +84,21 @@ def _build() -> Optional[str]:
     return so
 
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGS = {
-    "rmsnorm": [_P, _P, _P, _P, _P, _I, _I, _F],
-    "rope_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _P],
-    "silu_mul": [_P, _P, _I, _I],
-    "attention": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _F],
-    "quant_rows": [_P, _P, _P, _I, _I],
-    "dequant": [_P, _P, _P, _P, _P, _I, _I],
-}
-
-
-def load():
-    """The kernel library, or None (no compiler, or the build or load failed)."""
+def load() -> Optional[kernel_abi.KernelLib]:
+    """The kernel library bound through kernel_abi, or None (no compiler, or the build or the
+    dlopen failed). A library whose signatures disagree with kernel_abi.KERNELS raises
+    KernelABIError: that is a bug to fix, not a reason to fall back."""
     global _lib, _tried
     if _tried:
         return _lib
     _tried = True
     try:
-        so = _build()
-        if so is None:
-            return None
-        lib = ctypes.CDLL(so)
-        for suf in ("bf16", "f32"):
-            for name, args in _SIGS.items():
-                fn = getattr(lib, f"{name}_{suf}")
-                fn.argtypes = args
-                fn.restype = None
-        lib.argmax_rows.argtypes = [_P, _I, _I, _P]
-        lib.argmax_rows.restype = None
-        lib.has_w4a8.restype = ctypes.c_int
-        lib.has_bf16_mm.restype = ctypes.c_int
-        if lib.has_bf16_mm():
-            lib.bf16_mm.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int, ctypes.c_int]
-            lib.bf16_mm.restype = None
-            lib.bf16_dp_pays.restype = lib.has_bf16_dp.restype = ctypes.c_int
-        lib.has_w8_mm.restype = ctypes.c_int
-        lib.forward_bf16_supports.argtypes = [_I, _I, _I]
-        lib.forward_bf16_supports.restype = ctypes.c_int
-        if hasattr(lib, "forward_bf16"):
-            lib.forward_bf16.argtypes = [_I, _P] + [_P] * 8 + [_I] * 6 + [_P] * 4 + [_I, _I, _P, _P, _P, _P, _I,
-                                                                                _F, _F, ctypes.c_int]
-            lib.forward_bf16.restype = None
-        if lib.has_w8_mm():
-            lib.w8_mm_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int]
-            lib.w8_mm_bf16.restype = None
-        if lib.has_w4a8():
-            lib.quant_groups_bf16.argtypes = [_P, _P, _P, _P, _I, _I]
-            lib.w4a8_mm_bf16.argtypes = [_P, _P, _P, _I, _I, _P, _I, _P]
-            lib.quant_groups_bf16.restype = lib.w4a8_mm_bf16.restype = None
-        _lib = lib
+        so = build()
+        cdll = None if so is None else ctypes.CDLL(so)
     except Exception as e:  # noqa: BLE001 - any failure here means: run the pure-torch path
         log.warning("loading the fused kernels failed (%s): pure-torch forward", e)
-        _lib = None
+        cdll = None
+    _lib = None if cdll is None else kernel_abi.bind(cdll)
     return _lib
 
 
@@ -139,7 +110,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(-1)
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
-    lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    lib.argmax_rows(x=x, rows=x.shape[0], V=x.shape[1], out=out)
     return out
 
 
@@ -163,17 +134,13 @@ def bf16_form(lib) -> str:
     return _form
 
 
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
-
-
 class Kernels:
     """Typed wrappers for one dtype. Tensors must be contiguous CPU tensors of that dtype
     (int64 for indices, float32 for the RoPE tables)."""
 
-    def __init__(self, lib, dtype: torch.dtype):
+    def __init__(self, lib: kernel_abi.KernelLib, dtype: torch.dtype):
         suf = {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
-        self._lib = lib
+        self.lib = lib
         self._rms = getattr(lib, f"rmsnorm_{suf}")
         self._rope = getattr(lib, f"rope_kv_{suf}")
         self._silu = getattr(lib, f"silu_mul_{suf}")
@@ -187,49 +154,59 @@ class Kernels:
 
     def forward_supports(self, H: int, KVH: int, hd: int) -> bool:
         """Whether forward_layers (the layer stack in one call) runs this head shape here."""
-        return (self.bf16_mm and hasattr(self._lib, "forward_bf16")
-                and bool(self._lib.forward_bf16_supports(H, KVH, hd)))
+        return (self.bf16_mm and self.lib.forward_bf16 is not None
+                and bool(self.lib.forward_bf16_supports(H=H, KVH=KVH, hd=hd)))
 
-    def forward_layers(self, lw, x, h, H, KVH, hd, I, pos, cos, sin, kv_pool, slots, slot_tab, off, ctx,
+    @staticmethod
+    def layer_weights(layers: list[dict[str, Optional[torch.Tensor]]]) -> torch.Tensor:
+        """forward_layers' `lw`: each layer's tensors keyed by kernel_abi.LAYER_WEIGHTS names, as
+        int64 pointers in that order (0 for None). The tensors must outlive the table."""
+        rows = []
+        for L in layers:
+            if set(L) != set(kernel_abi.LAYER_WEIGHTS):
+                raise KeyError(f"layer weights {sorted(L)}: expected {list(kernel_abi.LAYER_WEIGHTS)}")
+            rows += [0 if L[n] is None else L[n].data_ptr() for n in kernel_abi.LAYER_WEIGHTS]
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def forward_layers(self, *, lw, x, h, H, KVH, hd, I, pos, cos, sin, kv_pool, slots, slot_tab, off, ctx,
                        max_ctx, scale, eps) -> None:
         """All layers at once (kernels.c forward_bf16): x [T, D] is updated in place to the residual
         stream after the last layer; h [T, D] holds rmsnorm(x) * ln1 of layer 0 on entry (scratch
-        after). lw: int64 [layers * 7] weight pointers, built by LlamaModel."""
+        after). lw: layer_weights' table."""
         T, D = x.shape
         W = (H + 2 * KVH) * hd
         e = lambda n: torch.empty((T, n), dtype=torch.bfloat16)
         qkv, att, gu, act, tmp = e(W), e(H * hd), e(2 * I), e(I), e(D)
         dp = self.bf16_form == "dpbf16"
         xf = torch.empty(0 if dp else T * max(D, H * hd, I), dtype=torch.float32)
-        self._lib.forward_bf16(kv_pool.shape[0], lw.data_ptr(), x.data_ptr(), h.data_ptr(), qkv.data_ptr(),
-                               att.data_ptr(), gu.data_ptr(), act.data_ptr(), tmp.data_ptr(), xf.data_ptr(), T, D,
-                               H, KVH, hd, I, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_pool.data_ptr(),
-                               kv_pool[0].numel(), kv_pool.shape[2], slots.data_ptr(), slot_tab.data_ptr(),
-                               off.data_ptr(), ctx.data_ptr(), max_ctx, scale, eps, int(dp))
+        self.lib.forward_bf16(L=kv_pool.shape[0], lw=lw, x=x, h=h, qkv=qkv, att=att, gu=gu, act=act, tmp=tmp, xf=xf,
+                              M=T, D=D, H=H, KVH=KVH, hd=hd, I=I, pos=pos, cos_t=cos, sin_t=sin, pool=kv_pool,
+                              layer_elems=kv_pool[0].numel(), cap1=kv_pool.shape[2], slots=slots, slot_tab=slot_tab,
+                              off=off, ctx=ctx, max_ctx=max_ctx, scale=scale, eps=eps, dp=int(dp))
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
         """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""
         rows, D = x.shape
         if h is None:
             h = torch.empty_like(x)
-        self._rms(x.data_ptr(), _ptr(delta), x.data_ptr(), w.data_ptr(), h.data_ptr(), rows, D, eps)
+        self._rms(x=x, delta=delta, x_out=x, w=w, h=h, rows=rows, D=D, eps=eps)
         return h
 
     def rope_kv(self, qkv, H, KVH, hd, pos, cos, sin, pool_layer, slots) -> None:
-        self._rope(qkv.data_ptr(), qkv.shape[0], H, KVH, hd, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                   pool_layer.data_ptr(), pool_layer.shape[1], slots.data_ptr())
+        self._rope(qkv=qkv, rows=qkv.shape[0], H=H, KVH=KVH, hd=hd, pos=pos, cos_t=cos, sin_t=sin, pool=pool_layer,
+                   cap1=pool_layer.shape[1], slots=slots)
 
     def silu_mul(self, gu) -> torch.Tensor:
         rows, I2 = gu.shape
         out = gu.new_empty((rows, I2 // 2))
-        self._silu(gu.data_ptr(), out.data_ptr(), rows, I2 // 2)
+        self._silu(gu=gu, out=out, rows=rows, I=I2 // 2)
         return out
 
     def attention(self, qkv, pool_layer, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale) -> torch.Tensor:
         rows = qkv.shape[0]
         out = qkv.new_empty((rows, H * hd))
-        self._attn(qkv.data_ptr(), qkv.shape[1], pool_layer.data_ptr(), pool_layer.shape[1], out.data_ptr(),
-                   rows, H, KVH, hd, slot_tab.data_ptr(), off.data_ptr(), ctx.data_ptr(), max_ctx, scale)
+        self._attn(q=qkv, q_stride=qkv.shape[1], pool=pool_layer, cap1=pool_layer.shape[1], out=out, rows=rows, H=H,
+                   KVH=KVH, hd=hd, slot_tab=slot_tab, off=off, ctx=ctx, max_ctx=max_ctx, scale=scale)
         return out
 
     def quant_rows(self, x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +214,7 @@ class Kernels:
         rows, K = x.shape
         q = torch.empty((rows, K), dtype=torch.int8)
         s = torch.empty(rows, dtype=torch.float32)
-        self._quant(x.data_ptr(), q.data_ptr(), s.data_ptr(), rows, K)
+        self._quant(x=x, q=q, s=s, rows=rows, K=K)
         return q, s
 
     def dequant(self, acc, sx, sw, bias, dtype) -> torch.Tensor:
@@ -246,7 +223,7 @@ class Kernels:
         y = torch.empty((rows, N), dtype=dtype)
         if bias is not None and bias.dtype != dtype:
             bias = bias.to(dtype)
-        self._dequant[dtype](acc.data_ptr(), sx.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), rows, N)
+        self._dequant[dtype](acc=acc, sx=sx, sw=sw, bias=bias, y=y, rows=rows, N=N)
         return y
 
     def w4a8_mm(self, x, packed, N) -> torch.Tensor:
@@ -259,9 +236,8 @@ class Kernels:
         q = torch.empty((rows, K), dtype=torch.int8)
         dx = torch.empty((rows, K // 32), dtype=torch.float32)
         sx = torch.empty_like(dx)
-        self._lib.quant_groups_bf16(x.data_ptr(), q.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, K)
-        self._lib.w4a8_mm_bf16(q.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, K, packed.data_ptr(), N,
-                               y.data_ptr())
+        self.lib.quant_groups_bf16(x=x, q=q, dx=dx, sx=sx, rows=rows, K=K)
+        self.lib.w4a8_mm_bf16(xq=q, dx=dx, sx=sx, rows=rows, K=K, w=packed, N=N, y=y)
         return y
 
     @staticmethod
@@ -275,8 +251,8 @@ class Kernels:
         rows, K = x.shape
         y = torch.empty((rows, N), dtype=out_dtype)
         if rows:
-            self._lib.bf16_mm(x.data_ptr(), rows, K, packed.data_ptr(), N, _ptr(bias), y.data_ptr(),
-                              int(out_dtype == torch.float32), int(self.bf16_form == "dpbf16"))
+            self.lib.bf16_mm(x=x, rows=rows, K=K, w=packed, N=N, bias=bias, y=y,
+                             out_f32=int(out_dtype == torch.float32), dp=int(self.bf16_form == "dpbf16"))
         return y
 
     @staticmethod
@@ -291,6 +267,6 @@ class Kernels:
         N = scale.shape[0]
         y = torch.empty((rows, N), dtype=out_dtype)
         if rows:
-            self._lib.w8_mm_bf16(x.data_ptr(), rows, K, packed.data_ptr(), scale.data_ptr(), N, y.data_ptr(),
-                                 int(out_dtype == torch.float32))
+            self.lib.w8_mm_bf16(x=x, rows=rows, K=K, w=packed, s=scale, N=N, y=y,
+                                out_f32=int(out_dtype == torch.float32))
         return y

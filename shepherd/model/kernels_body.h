@@ -35,8 +35,8 @@ static inline void FN(rmsnorm_row)(int64_t r, const T *x, const T *delta, T *x_o
     if (h) for (i = 0; i < D; i++) h[r * D + i] = ST(LD(w[i]) * LD(ST(buf[i] * inv)));
 }
 
-void FN(rmsnorm)(const T *x, const T *delta, T *x_out, const T *w, T *h,
-                   int64_t rows, int64_t D, float eps) {
+KERNEL(void, FN(rmsnorm), const T *x, const T *delta, T *x_out, const T *w, T *h,
+       int64_t rows, int64_t D, float eps) {
     #pragma omp parallel for schedule(static) if(rows >= 16)
     for (int64_t r = 0; r < rows; r++) FN(rmsnorm_row)(r, x, delta, x_out, w, h, D, eps);
 }
@@ -61,9 +61,9 @@ static inline void FN(rope_kv_row)(int64_t r, T *qkv, int64_t H, int64_t KVH, in
         memcpy(pool + (j * cap1 + slots[r]) * hd, row + (H + j) * hd, hd * sizeof(T));
 }
 
-void FN(rope_kv)(T *qkv, int64_t rows, int64_t H, int64_t KVH, int64_t hd,
-                   const int64_t *pos, const float *cos_t, const float *sin_t,
-                   T *pool, int64_t cap1, const int64_t *slots) {
+KERNEL(void, FN(rope_kv), T *qkv, int64_t rows, int64_t H, int64_t KVH, int64_t hd,
+       const int64_t *pos, const float *cos_t, const float *sin_t,
+       T *pool, int64_t cap1, const int64_t *slots) {
     for (int64_t r = 0; r < rows; r++) FN(rope_kv_row)(r, qkv, H, KVH, hd, pos, cos_t, sin_t, pool, cap1, slots);
 }
 
@@ -77,14 +77,14 @@ static inline void FN(silu_mul_row)(int64_t r, const T *gu, T *out, int64_t I) {
     }
 }
 
-void FN(silu_mul)(const T *gu, T *out, int64_t rows, int64_t I) {
+KERNEL(void, FN(silu_mul), const T *gu, T *out, int64_t rows, int64_t I) {
     #pragma omp parallel for schedule(static) if(rows >= 16)
     for (int64_t r = 0; r < rows; r++) FN(silu_mul_row)(r, gu, out, I);
 }
 
 /* W8A8: each row of x -> int8 q with one scale s = max|x| / 127 (q = round-half-even(x / s)).
  * Row-local, so the integer GEMM that follows (exact) keeps a row's result batch-invariant. */
-void FN(quant_rows)(const T *x, int8_t *q, float *s, int64_t rows, int64_t K) {
+KERNEL(void, FN(quant_rows), const T *x, int8_t *q, float *s, int64_t rows, int64_t K) {
     #pragma omp parallel for schedule(static) if(rows >= 32)
     for (int64_t r = 0; r < rows; r++) {
         const T *xr = x + r * K;
@@ -103,9 +103,8 @@ void FN(quant_rows)(const T *x, int8_t *q, float *s, int64_t rows, int64_t K) {
 /* y = T(acc * sx[row] * sw[col]) (+ bias, rounded again: the same two roundings as torch's
  * `(acc * sx * sw).to(T) + b`). No FMA contraction: for T = float it would fuse the scale and
  * the bias add, which torch does not. */
-__attribute__((optimize("fp-contract=off")))
-void FN(dequant)(const int32_t *acc, const float *sx, const float *sw, const T *bias, T *y,
-                 int64_t rows, int64_t N) {
+KERNEL(__attribute__((optimize("fp-contract=off"))) void, FN(dequant),
+       const int32_t *acc, const float *sx, const float *sw, const T *bias, T *y, int64_t rows, int64_t N) {
     #pragma omp parallel for schedule(static) if(rows >= 32)
     for (int64_t r = 0; r < rows; r++) {
         const int32_t *a = acc + r * N;

@@ -239,8 +239,8 @@ class LlamaModel:
         self.layer_ptrs = self._layer_ptrs()
 
     def _layer_ptrs(self) -> Optional[torch.Tensor]:
-        """The weight pointers kernels.forward_layers walks (7 a layer, kernels.c's LW_* order), where
-        every linear layer is a bf16_mm one; None: the forward calls one kernel per op."""
+        """The weight table kernels.forward_layers walks (Kernels.layer_weights), where every linear
+        layer is a bf16_mm one; None: the forward calls one kernel per op."""
         k = self.kernels
         if k is None or not k.forward_supports(self.H, self.KVH, self.hd):
             return None
@@ -249,13 +249,10 @@ class LlamaModel:
             return None
         if any(L[n].b is not None for L in self.layers for n in ("o", "gu", "down")):
             return None
-        ptr = lambda t: 0 if t is None else t.data_ptr()
-        rows = []
-        for i, L in enumerate(self.layers):
-            nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else None
-            rows += [ptr(L["qkv"].tiles), ptr(L["qkv"].b), ptr(L["o"].tiles), ptr(L["gu"].tiles),
-                     ptr(L["down"].tiles), ptr(L["ln2"]), ptr(nxt)]
-        return torch.tensor(rows, dtype=torch.int64)   # the tensors stay alive in self.layers
+        return k.layer_weights([   # the tensors stay alive in self.layers
+            dict(qkv=L["qkv"].tiles, qkv_b=L["qkv"].b, o=L["o"].tiles, gu=L["gu"].tiles, down=L["down"].tiles,
+                 ln2=L["ln2"], ln1_next=self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else None)
+            for i, L in enumerate(self.layers)])
 
     def _linear(self, W: dict, Q: dict, names: list[str], bias=None):
         """One linear layer over the row-concatenation of `names` (fused QKV, gate-up)."""
@@ -326,9 +323,10 @@ class LlamaModel:
         x = F.embedding(inp.input_ids, self.embed)
         h = k.rmsnorm(x, self.layers[0]["ln1"], eps)
         if self.layer_ptrs is not None and self.whole_forward:
-            k.forward_layers(self.layer_ptrs, x, h, H, KVH, hd, self.I, inp.positions, self.cos_half,
-                             self.sin_half, kv_pool, inp.slots, inp.slot_tab, inp.row_off, inp.row_ctx,
-                             inp.max_ctx, self.scale, eps)
+            k.forward_layers(lw=self.layer_ptrs, x=x, h=h, H=H, KVH=KVH, hd=hd, I=self.I, pos=inp.positions,
+                             cos=self.cos_half, sin=self.sin_half, kv_pool=kv_pool, slots=inp.slots,
+                             slot_tab=inp.slot_tab, off=inp.row_off, ctx=inp.row_ctx, max_ctx=inp.max_ctx,
+                             scale=self.scale, eps=eps)
             return self._logits(x, inp)
         for li, L in enumerate(self.layers):
             pool = kv_pool[li]
