@@ -66,12 +66,8 @@ FIXED = (1, 8, 32, 64)
 
 
 def azure_trace() -> Path:
-    from shepherd.paths import shared_data
-    try:
-        return shared_data("azure_llm_2023", "AzureLLMInferenceTrace_conv.csv")
-    except FileNotFoundError as e:
-        log(str(e))
-        return Path("/nonexistent/AzureLLMInferenceTrace_conv.csv")
+    from shepherd.paths import data_path
+    return data_path("azure_llm_2023", "AzureLLMInferenceTrace_conv.csv")
 
 SERVED_NAME = "smollm2-135m"
 EOS_IDS = (2,)  # SmolLM2's <|im_end|>; llama.cpp's server has no ignore_eos, so EOS is masked with logit_bias

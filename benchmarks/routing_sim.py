@@ -27,9 +27,9 @@ from concurrent.futures import ProcessPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from shepherd.paths import shared_data  # noqa: E402
+from shepherd.paths import data_path  # noqa: E402
 
-DEFAULT_TRACE = str(shared_data("mooncake", "synthetic_trace.jsonl"))
+DEFAULT_TRACE = str(data_path("mooncake", "synthetic_trace.jsonl"))
 
 POLICIES = ["random", "round-robin", "least-request", "shortest-queue", "power-of-two", "least-kv",
             "prefix-aware", "cache-aware", "weighted", "session-affinity", "vtc-basic"]

@@ -18,9 +18,9 @@ from shepherd.config import SchedulerConfig
 from shepherd.sim.simulator import SimConfig, simulate
 from shepherd.bench.traces import load_trace
 
-from shepherd.paths import shared_data
+from shepherd.paths import data_path
 
-AZURE = str(shared_data("azure_llm_2023", "AzureLLMInferenceTrace_conv.csv"))
+AZURE = str(data_path("azure_llm_2023", "AzureLLMInferenceTrace_conv.csv"))
 
 
 def main() -> None:

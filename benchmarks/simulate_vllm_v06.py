@@ -4,7 +4,7 @@
                                                       # (~5 minutes on two cores)
 
 Published (vLLM blog, 2024-09-05, "vLLM v0.6.0: 2.7x Throughput Improvement and
-5x Latency Reduction"; figures as quoted in /work/shared/data/README.md): one
+5x Latency Reduction"; figures as quoted in shepherd/data/README.md): one
 H100, Llama-3-8B, 500 ShareGPT prompts: about 37 req/s with every request at
 once, about 8 ms per output token at 2 QPS and about 14 ms at 32 QPS. The blog's
 plots show the mean TPOT (and its standard error), so the mean is compared.
@@ -15,7 +15,7 @@ default (256 sequences, no chunked prefill for an 8k-context model, so 8,192
 batched tokens, asynchronous output processing on); ShareGPT prompts "randomly
 sampled with a fixed seed", average 202 input and 179 output tokens.
 
-Workload (a stand-in: ShareGPT is not in the shared data). vLLM's
+Workload (a stand-in: ShareGPT is not in shepherd/data). vLLM's
 benchmark_serving keeps a ShareGPT conversation only if prompt and output have
 at least 4 tokens, the prompt at most 1,024 and both together at most 2,048
 (others are skipped, not cut). The stand-in draws lognormal lengths (sigma 1.0

@@ -1,6 +1,6 @@
 """Every knob, one dataclass per layer, with defaults and validation.
 
-Names follow DESIGN.md ("Scheduling: what the seeds ask for, by name").
+Names follow docs/DESIGN.md ("Scheduling: what the seeds ask for, by name").
 """
 from __future__ import annotations
 

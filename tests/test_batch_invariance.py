@@ -1,5 +1,5 @@
-"""Batch invariance (DESIGN.md contract): in batch-invariant mode, a request's
-greedy tokens do not depend on the other requests in its steps or on how its
+"""Batch invariance (docs/DESIGN.md, "Contracts worth keeping"): in batch-invariant mode, a
+request's greedy tokens do not depend on the other requests in its steps or on how its
 prompt was chunked. Driven by a tiny synchronous loop of its own (no scheduler)
 so that the batch shapes are controlled exactly: staggered arrivals make
 prefill chunks and decodes of other requests share forwards, and KV slots are

@@ -90,7 +90,7 @@ def greedy_chat(oc, model, **kw):
 
 
 def test_greedy_same_with_and_without_prefix_cache_hit(oc, model):
-    """DESIGN.md: under greedy sampling in batch-invariant mode a request's tokens are the same
+    """docs/DESIGN.md: under greedy sampling in batch-invariant mode a request's tokens are the same
     whether or not its prompt was served from the prefix cache."""
     cold = greedy_chat(oc, model)     # first use of MSG in this server: no cache hit
     warm = greedy_chat(oc, model)

@@ -10,6 +10,7 @@ import pytest
 
 from shepherd.bench.records import TraceRequest
 from shepherd.config import SchedulerConfig
+from shepherd.paths import data_path
 from shepherd.request import Request, SamplingParams
 from shepherd.bench import synthetic as S
 from shepherd.bench import traces as T
@@ -17,12 +18,6 @@ from shepherd.sim.cost_model import BatchShape, RooflineCostModel
 from shepherd.sim.simulator import SimConfig, Simulator, simulate
 
 DATA = Path(__file__).parent / "data"
-try:
-    from shepherd.paths import shared_data_dir
-    SHARED = shared_data_dir()
-except (ImportError, FileNotFoundError):
-    SHARED = Path("/nonexistent/shared/data")
-AZURE = SHARED / "azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
 
 
 def synth(n=150, seed=3, rate=6.0, clients=2, **kw):
@@ -178,11 +173,10 @@ def test_mooncake_fixture_prefix_hits():
     assert off.prefix_hit_tokens == 0
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared data not mounted")
 def test_mooncake_real_slice_prefix_hits():
     # arrivals slowed 20x so that every request has finished (and its prompt is in the
     # cache) before the next one; a KV pool larger than the slice so nothing is evicted
-    tr = T.load_trace(SHARED / "mooncake/synthetic_trace.jsonl", limit=60, time_scale=20.0)
+    tr = T.load_trace(data_path("mooncake", "synthetic_trace.jsonl"), limit=60, time_scale=20.0)
     res = run(tr, model="llama-3-8b", gpu="h100", kv_capacity=1_200_000, max_model_len=131072)
     exp = expected_hits(tr)
     assert exp > 29_000

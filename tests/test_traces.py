@@ -9,13 +9,9 @@ import pytest
 from shepherd.bench.records import TraceRequest
 from shepherd.bench import synthetic as S
 from shepherd.bench import traces as T
+from shepherd.paths import data_path
 
 DATA = Path(__file__).parent / "data"
-try:
-    from shepherd.paths import shared_data_dir
-    SHARED = shared_data_dir()
-except (ImportError, FileNotFoundError):
-    SHARED = Path("/nonexistent/shared/data")
 
 
 def test_azure_fixture():
@@ -141,11 +137,11 @@ def test_parse_clients():
     assert len(S.parse_clients("4@0.5")) == 4
 
 
-@pytest.mark.skipif(not (SHARED / "azure_llm_2023").exists(), reason="shared data not mounted")
 def test_real_traces_slices():
-    az = T.load_trace(SHARED / "azure_llm_2023/AzureLLMInferenceTrace_conv.csv", limit=200)
-    mc = T.load_trace(SHARED / "mooncake/synthetic_trace.jsonl", limit=50)
-    sg = T.load_trace(SHARED / "servegen/servegen_m-large_1h_multitenant_sample.csv", limit=300)
+    """The traces shepherd ships (shepherd/data) read as what they are."""
+    az = T.load_trace(data_path("azure_llm_2023", "AzureLLMInferenceTrace_conv.csv"), limit=200)
+    mc = T.load_trace(data_path("mooncake", "synthetic_trace.jsonl"), limit=50)
+    sg = T.load_trace(data_path("servegen", "servegen_m-large_1h_multitenant_sample.csv"), limit=300)
     assert len(az) == 200 and len(mc) == 50 and len(sg) == 300
     assert all(r.hash_ids for r in mc)
     assert len({r.client for r in sg}) > 3

@@ -7,7 +7,7 @@
         [--model NAME] [--tokenizer PATH|none] [--api-key KEY] [--seed S] [--timeout S]
         [--no-ignore-eos] [--extra-body JSON]
 
-Writes DIR/summary.json (DESIGN.md's keys plus `failures` by kind), the plots
+Writes DIR/summary.json (docs/DESIGN.md's keys plus `failures` by kind), the plots
 beside it, records.jsonl (one RequestRecord per line), errors.jsonl and
 timeseries.json; prints the table. Exit status 1 if any request failed.
 """

@@ -141,7 +141,7 @@ def summarize(records: Sequence[RequestRecord] | RecordStats, *, duration_s: Opt
         "jain_fairness": jain(v["service"] for v in per_client.values()),   # whole run, drain included
         **backlogged_fairness(stats),
         "wall_s": wall_s,
-        # beyond DESIGN.md's list
+        # beyond docs/DESIGN.md's list
         "goodput_req_s": rate(good), "slo_attainment": (good / done) if done else None,
         "slo_ttft": slo_ttft, "slo_tpot": slo_tpot,
         "failures": dict(sorted(stats.failures.items())),

@@ -12,6 +12,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from shepherd.paths import data_path
 from shepherd.sim.cost_model import BatchShape, CostModel, RooflineCostModel
 from shepherd.sim.hardware import GPUS, MODELS, GPUSpec, ModelSpec, get_gpu, get_model
 
@@ -234,12 +235,6 @@ def fit_cost_model(samples: Iterable[tuple[BatchShape, float]], *, grid_tokens: 
     return model
 
 
-def data_dir() -> Path:
-    """shared/data (shepherd.paths: beside the checkout, or SHEPHERD_DATA_DIR)."""
-    from shepherd.paths import shared_data_dir
-    return shared_data_dir()
-
-
 _VIDUR_NAMES = {"Llama-3-8B": "meta-llama_Meta-Llama-3-8B", "Llama-2-7B": "meta-llama_Llama-2-7b-hf",
                 "Llama-2-70B": "meta-llama_Llama-2-70b-hf"}
 _VIDUR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
@@ -250,7 +245,7 @@ def _vidur_path(m: ModelSpec, g: GPUSpec) -> Optional[Path]:
     name = _VIDUR_NAMES.get(m.name)
     if name is None:
         return None
-    return data_dir() / "vidur" / "profiling_compute" / f"{g.name.split('-')[0].lower()}_{name}_mlp.csv"
+    return data_path("vidur", "profiling_compute", f"{g.name.split('-')[0].lower()}_{name}_mlp.csv")
 
 
 def _vidur_table(path: Path, m: ModelSpec, tp: int) -> dict[int, float]:
@@ -290,7 +285,7 @@ def _vidur_transfer(m: ModelSpec, g: GPUSpec, tp: int) -> tuple[dict[int, float]
 
 def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str | Path] = None,
                *, tp: int = 1) -> FittedCostModel:
-    """Table model from vidur's profiled MLP-side operator times (shared/data/vidur/
+    """Table model from vidur's profiled MLP-side operator times (shepherd/data/vidur/
     profiling_compute: medians of every non-attention operator x layers, embedding once, by
     token count) plus the LM head's weight read (the profile has no LM head; every step pays
     it), with attention over the KV, prefill attention and the LM head's FLOPs from the GPU's
@@ -324,7 +319,7 @@ def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
     per decode step of `batch_size` sequences at context ~prompt_size + token_size/2)."""
     import csv
     m, g = get_model(model), get_gpu(gpu)
-    path = Path(path) if path else data_dir() / "splitwise_sim" / "perf_model.csv"
+    path = Path(path) if path else data_path("splitwise_sim", "perf_model.csv")
     want_model = m.name.lower().replace("-", "").replace("llama2", "llama2-")  # llama2-70b
     hw = {"H100": "h100-80gb", "A100-80GB": "a100-80gb"}.get(g.name)
     samples = []
@@ -348,5 +343,4 @@ def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
 
 
 
-__all__ = ["FEATURES", "FittedCostModel", "load_cost_model", "fit_cost_model", "from_vidur", "from_splitwise",
-           "data_dir"]
+__all__ = ["FEATURES", "FittedCostModel", "load_cost_model", "fit_cost_model", "from_vidur", "from_splitwise"]
