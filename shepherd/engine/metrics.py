@@ -26,6 +26,23 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+# Metrics that mirror one SchedulerStats field, declared with it: a gauge is set to the field
+# after every step, a counter advances by the field's change (the field is cumulative).
+# (kind, metric name, help, SchedulerStats field)
+FROM_STATS = (
+    ("gauge", "vllm:num_requests_running", "Requests in the running batch.", "num_running"),
+    ("gauge", "vllm:num_requests_swapped", "Requests preempted to the host KV pool.", "num_swapped"),
+    ("counter", "vllm:num_preemptions", "Cumulative number of preemptions.", "preemptions"),
+    ("counter", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_query_tokens"),
+    ("counter", "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_hit_tokens"),
+    ("gauge", "shepherd:kv_free_tokens", "KV slots never used or released.", "kv_free"),
+    ("gauge", "shepherd:kv_evictable_tokens", "KV slots held only by the prefix cache (reclaimable).", "kv_evictable"),
+    ("gauge", "shepherd:kv_used_tokens", "KV slots held by requests.", "kv_used"),
+    ("gauge", "shepherd:kv_capacity_tokens", "KV capacity in tokens.", "kv_capacity"),
+    ("counter", "shepherd:preempted_tokens", "KV tokens thrown away or moved by preemption.", "preempted_tokens"),
+)
+
+
 class EngineMetrics:
     """All metrics of one engine, labelled with `model_name` like vLLM's."""
 
@@ -33,6 +50,9 @@ class EngineMetrics:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, L = self.registry, ["model_name"]
+        make = {"gauge": Gauge, "counter": Counter}
+        self._mirrors = [(kind, make[kind](name, doc, L, registry=r).labels(model_name), field)
+                         for kind, name, doc, field in FROM_STATS]
 
         def gauge(name, doc):
             return Gauge(name, doc, L, registry=r).labels(model_name)
@@ -43,18 +63,13 @@ class EngineMetrics:
         def hist(name, doc, buckets):
             return Histogram(name, doc, L, buckets=buckets, registry=r).labels(model_name)
 
-        # --- vLLM names ---
-        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        # --- vLLM names (beside FROM_STATS) ---
         self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be admitted (swapped included).")
-        self.num_swapped = gauge("vllm:num_requests_swapped", "Requests preempted to the host KV pool.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc",
                               "KV-cache usage, 0..1: slots held by requests / capacity (evictable prefix-cache slots count as free).")
         self.gpu_kv_usage = gauge("vllm:gpu_cache_usage_perc", "Older name of vllm:kv_cache_usage_perc.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished or running requests (counted at admission).")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between two output tokens.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.",
@@ -63,12 +78,7 @@ class EngineMetrics:
                                REQUEST_LATENCY_BUCKETS)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=r)
-        # --- shepherd's own ---
-        self.kv_free = gauge("shepherd:kv_free_tokens", "KV slots never used or released.")
-        self.kv_evictable = gauge("shepherd:kv_evictable_tokens", "KV slots held only by the prefix cache (reclaimable).")
-        self.kv_used = gauge("shepherd:kv_used_tokens", "KV slots held by requests.")
-        self.kv_capacity = gauge("shepherd:kv_capacity_tokens", "KV capacity in tokens.")
-        self.preempted_tokens = counter("shepherd:preempted_tokens", "KV tokens thrown away or moved by preemption.")
+        # --- shepherd's own (beside FROM_STATS) ---
         self.steps = counter("shepherd:engine_steps", "Engine steps executed.")
         self.step_time = hist("shepherd:step_time_seconds", "Wall time of one executor step.", ITL_BUCKETS)
 
@@ -76,22 +86,16 @@ class EngineMetrics:
 
     # ---- updates (called from the engine thread) ----
     def update_from_stats(self, st) -> None:
-        self.num_running.set(st.num_running)
         self.num_waiting.set(st.num_waiting + st.num_swapped)
-        self.num_swapped.set(st.num_swapped)
         usage = (st.kv_used / st.kv_capacity) if st.kv_capacity else 0.0
         self.kv_usage.set(usage)
         self.gpu_kv_usage.set(usage)
-        self.kv_free.set(st.kv_free)
-        self.kv_evictable.set(st.kv_evictable)
-        self.kv_used.set(st.kv_used)
-        self.kv_capacity.set(st.kv_capacity)
         last = self._last
-        for attr, metric in (("preemptions", self.preemptions),
-                             ("preempted_tokens", self.preempted_tokens),
-                             ("prefix_query_tokens", self.prefix_queries),
-                             ("prefix_hit_tokens", self.prefix_hits)):
-            delta = getattr(st, attr) - (getattr(last, attr) if last is not None else 0)
+        for kind, metric, field in self._mirrors:
+            if kind == "gauge":
+                metric.set(getattr(st, field))
+                continue
+            delta = getattr(st, field) - (getattr(last, field) if last is not None else 0)
             if delta > 0:
                 metric.inc(delta)
         self._last = _copy_stats(st)
