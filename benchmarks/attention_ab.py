@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from shepherd.config import EngineConfig
 from shepherd.engine.torch_executor import TorchExecutor
-from shepherd.engine.executor import ScheduledSeq
+from shepherd.step import NewRequest, ScheduledSeq
 from shepherd.request import Request, SamplingParams
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
 rows=int(sys.argv[1]); ctx=int(sys.argv[2])
@@ -22,7 +22,8 @@ seqs=[]
 for i in range(rows):
     r=Request(f"r{i}", [5]*ctx, SamplingParams(max_tokens=4))
     r.slots=list(range(i*(ctx+8), i*(ctx+8)+ctx+1)); r.prompt_ids=[5]*ctx; r.output_ids=[7]
-    seqs.append(ScheduledSeq(req=r, token_ids=[7], start_pos=ctx, sample=True, fresh=True))
+    ex.add(NewRequest(r.req_id, r.prompt_ids, r.params))
+    seqs.append(ScheduledSeq(r.req_id, [7], ctx, True, 0, list(r.slots)))
 fi,_=ex.build_input_fused(seqs); ti,_=ex.build_input_torch(seqs)
 ex.kv_pool.normal_()
 T=fi.num_tokens

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shepherd.engine.core import CoreOutput, CoreStep  # noqa: E402
+from shepherd.engine.core_loop import CoreOutput, CoreStep  # noqa: E402
 from shepherd.scheduler.scheduler import SchedulerStats  # noqa: E402
 
 STEPS = 2000

@@ -44,12 +44,11 @@ TEXT = (
 def perplexity(ex, ids: list[int]) -> float:
     """exp(mean NLL) of ids[1:] given the prefix, from one prefill of the whole text."""
     import torch
-    from shepherd.engine.executor import ScheduledSeq
-    from shepherd.request import Request, SamplingParams
-    r = Request("ppl", list(ids), SamplingParams(max_tokens=1, temperature=0.0))
-    r.slots = list(range(len(ids)))
+    from shepherd.request import SamplingParams
+    from shepherd.step import NewRequest, ScheduledSeq
+    ex.add(NewRequest("ppl", list(ids), SamplingParams(max_tokens=1, temperature=0.0)))
     with torch.inference_mode():
-        inp, _ = ex.build_input([ScheduledSeq(req=r, token_ids=list(ids), start_pos=0, sample=True, fresh=True)])
+        inp, _ = ex.build_input([ScheduledSeq("ppl", list(ids), 0, True, 0, list(range(len(ids))))])
         inp.logits_index = None
         logits = ex.model.forward(inp, ex.kv_pool)[: len(ids) - 1]
         nll = torch.nn.functional.cross_entropy(logits.float().cpu(), torch.tensor(ids[1:]))

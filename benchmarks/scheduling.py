@@ -32,7 +32,7 @@ from shepherd.config import SchedulerConfig  # noqa: E402
 from shepherd.engine.offline import run_offline  # noqa: E402
 from shepherd.request import Request, RequestState, SamplingParams  # noqa: E402
 from shepherd.scheduler.scheduler import Scheduler  # noqa: E402
-from shepherd.sim.sim_executor import SimExecutor, affine_step_time  # noqa: E402
+from shepherd.engine.sim_executor import SimExecutor, affine_step_time  # noqa: E402
 
 FORCED_EOS = 2
 MODES = [("guaranteed", "recompute"), ("peak", "recompute"), ("optimistic", "recompute"), ("optimistic", "swap")]
@@ -218,7 +218,9 @@ def sim_run(args):
     rows, trackers, titles = [], [], []
     for adm, pre in MODES:
         reqs = workload(args.n, args.rate, args.seed, args.max_tokens)
-        fac = lambda: SimExecutor(kv_capacity=cap, host_kv_capacity=cap, step_time=affine_step_time())  # noqa: E731
+        lens = {r.req_id: r.sim_output_len for r in reqs}      # where each request's EOS falls
+        fac = lambda: SimExecutor(kv_capacity=cap, host_kv_capacity=cap, step_time=affine_step_time(),  # noqa: E731
+                                  output_lens=lens)
         row, tr = run_mode(adm, pre, reqs, cap, fac)
         rows.append(row)
         trackers.append(tr)
@@ -247,20 +249,24 @@ def real_run(args):
 
         # the real model computes every step; a request stops at its drawn length (as if the model
         # had sampled EOS there), so max_tokens stays long for guaranteed/peak to reserve
+        lens = {r.req_id: r.sim_output_len for r in reqs}
+        prompt_len: dict = {}
+
         class _Ex:
             kv_capacity, host_kv_capacity, max_model_len = ex.kv_capacity, ex.host_kv_capacity, ex.max_model_len
             eos_token_ids = (FORCED_EOS,)
 
             def execute(self, batch):
+                prompt_len.update((n.req_id, len(n.prompt_ids)) for n in batch.new)
                 t = time.perf_counter()
                 res = ex.execute(batch)
                 res.step_time = time.perf_counter() - t
                 for sq in batch.seqs:
-                    r = sq.req
-                    if sq.sample and len(r.output_ids) + 1 >= r.sim_output_len:
-                        res.tokens[r.req_id] = FORCED_EOS
-                    elif sq.sample and res.tokens.get(r.req_id) == FORCED_EOS:
-                        res.tokens[r.req_id] = FORCED_EOS + 1
+                    rid = sq.req_id
+                    if sq.sample and sq.end_pos - prompt_len[rid] + 1 >= lens[rid]:
+                        res.tokens[rid] = [FORCED_EOS]
+                    elif sq.sample and res.tokens.get(rid) == [FORCED_EOS]:
+                        res.tokens[rid] = [FORCED_EOS + 1]
                 return res
         row, tr = run_mode(adm, pre, reqs, cap, _Ex, max_num_tokens=512)
         rows.append(row)

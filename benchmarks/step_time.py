@@ -61,7 +61,7 @@ def prompts(tok, n, ctx):
 
 
 def time_decode(ex, n, args):
-    from shepherd.engine.executor import ScheduledBatch, ScheduledSeq
+    from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq
     from shepherd.request import Request, RequestState, SamplingParams
     reqs, slot = [], 0
     for i, p in enumerate(prompts(ex.tokenizer, n, args.ctx)):
@@ -72,15 +72,14 @@ def time_decode(ex, n, args):
         r.state = RequestState.RUNNING
         reqs.append(r)
     for k in range(0, n, 8):   # prefill 8 at a time
-        seqs = [ScheduledSeq(req=r, token_ids=r.prompt_ids, start_pos=0, sample=True, fresh=True)
-                for r in reqs[k:k + 8]]
-        res = ex.execute(ScheduledBatch(step=0, seqs=seqs))
+        seqs = [ScheduledSeq(r.req_id, r.prompt_ids, 0, True, 0, list(r.slots)) for r in reqs[k:k + 8]]
+        new = [NewRequest(r.req_id, r.prompt_ids, r.params) for r in reqs[k:k + 8]]
+        res = ex.execute(ScheduledBatch(step=0, new=new, seqs=seqs))
         for r in reqs[k:k + 8]:
-            r.output_ids.append(res.tokens[r.req_id])
+            r.output_ids.append(res.tokens[r.req_id][0])
     times, cpu = [], []
     for s in range(args.steps + args.warmup):
-        seqs = [ScheduledSeq(req=r, token_ids=[r.output_ids[-1]], start_pos=r.num_tokens - 1, sample=True)
-                for r in reqs]
+        seqs = [ScheduledSeq(r.req_id, [r.output_ids[-1]], r.num_tokens - 1, True, len(r.slots)) for r in reqs]
         t0, c0 = time.perf_counter(), time.thread_time()
         res = ex.execute(ScheduledBatch(step=s + 1, seqs=seqs))
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
@@ -88,10 +87,10 @@ def time_decode(ex, n, args):
             times.append(dt)
             cpu.append(dc)
         for r in reqs:
-            r.output_ids.append(res.tokens[r.req_id])
+            r.output_ids.append(res.tokens[r.req_id][0])
     for r in reqs:
         r.state = RequestState.FINISHED
-    ex.execute(ScheduledBatch(step=0, released=[r.req_id for r in reqs]))
+    ex.execute(ScheduledBatch(step=0, finished=[r.req_id for r in reqs]))
     return statistics.median(times) * 1000, statistics.median(cpu) * 1000
 
 

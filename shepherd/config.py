@@ -77,6 +77,18 @@ class SchedulerConfig:
         return self
 
 
+def whole_pages(tokens: int, page_size: int) -> int:
+    """A KV capacity the executor sized, in whole pages (the scheduler allocates pages)."""
+    return tokens - tokens % page_size
+
+
+def host_pool_tokens(host_kv_tokens: int, device_tokens: int, preemption: str) -> int:
+    """The host (swap) pool: as asked, else as large as the device pool when preemption swaps."""
+    if host_kv_tokens:
+        return int(host_kv_tokens)
+    return int(device_tokens) if preemption == "swap" else 0
+
+
 @dataclass
 class ModelConfig:
     """Architecture of a Llama-family model, read from GGUF metadata or config.json."""

@@ -92,11 +92,15 @@ class Request:
         return self.state is RequestState.FINISHED
 
     def stop_id_set(self) -> frozenset[int]:
-        """Token ids that end this request: its stop ids, plus EOS unless ignore_eos."""
-        stop = set(self.params.stop_token_ids or ())
-        if not self.params.ignore_eos:
-            stop.update(self.eos_token_ids)
-        return frozenset(stop)
+        return stop_ids(self.params, self.eos_token_ids)
+
+
+def stop_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+    """Token ids that end a request: its stop ids, plus EOS unless ignore_eos."""
+    stop = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        stop.update(eos_token_ids)
+    return frozenset(stop)
 
 
 def context_error(prompt_len: int, max_model_len: int) -> Optional[str]:

@@ -1,45 +1,76 @@
-"""The step contract: what the Scheduler hands an Executor and what comes back.
+"""The step contract: what the Scheduler hands an Executor each step, and what comes back.
 
-The scheduler emits a ScheduledBatch; an Executor runs it and returns a
-StepResult. The torch executor runs the real model on the wall clock; the
-simulated executor returns tokens and a step time from a cost model. Both
-see the same batches, which is what lets the simulator and the engine share
-one scheduler. It sits at the bottom of the layers (beside request.py) so
-that scheduler/, engine/ and sim/ all import it from below.
+Changes, not live objects (as vLLM v1's SchedulerOutput). The scheduler keeps
+its Requests to itself; an executor builds its own per-request state from
+these messages and never reads the scheduler's:
+
+  - a request the executor has not seen arrives once, as a NewRequest (its
+    prompt, sampling parameters and EOS ids);
+  - every request that runs in the step is a ScheduledSeq: the tokens to feed
+    (a prompt chunk, or a decode's last sampled token), their positions, the
+    slots its slot table gained since the executor last saw it, and whether
+    to sample;
+  - requests that ended are listed by id in `finished`: the executor forgets
+    them (a preempted request is not listed: its sampling state lives on, and
+    its slot table is rebuilt when it runs again);
+  - swaps move KV between the device pool and the host pool.
+
+Room to grow without another contract: a ScheduledSeq may feed several tokens
+to a running request (speculative decoding verifies k drafts plus the last
+token), a StepResult carries a list of accepted tokens per request, and a
+NewRequest is where per-request executor state such as an adapter id goes.
+
+It sits at the bottom of the layers (beside request.py) so that scheduler/,
+engine/ and sim/ all import it from below.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
-from shepherd.request import Request, TokenLogprob
+from shepherd.request import SamplingParams, TokenLogprob
 
 
-@dataclass
+@dataclass(slots=True)
+class NewRequest:
+    """A request the executor has not seen: what it keeps for the request's life. The lists
+    are shared with the scheduler and never modified by either side."""
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
 class ScheduledSeq:
-    """One request's work in one step: feed `token_ids` at positions
-    start_pos .. start_pos+len-1, writing their K/V into `req.slots` at those
-    positions, attending over req.slots[: start_pos + len(token_ids)]."""
-    req: Request
+    """One request's work in one step. First the request's slot table (position -> KV slot)
+    from index `slots_from` on becomes `new_slots` (slots_from is the length the executor
+    holds when the table only grew, 0 when it was rebuilt); then `token_ids` are fed at
+    positions start_pos .., their K/V written to those positions' slots, each attending over
+    every position up to its own; `sample`: a token is sampled after the last one."""
+    req_id: str
     token_ids: list[int]
     start_pos: int
-    sample: bool          # this chunk ends at the last known token: sample the next one
-    fresh: bool = False   # req.slots was (re)built since the executor last saw this request
-
-    @property
-    def req_id(self) -> str:
-        return self.req.req_id
+    sample: bool
+    slots_from: int = 0
+    new_slots: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def end_pos(self) -> int:
+        """Positions known to the request after this step's tokens: its context length."""
+        return self.start_pos + len(self.token_ids)
+
+    @property
     def is_prefill(self) -> bool:
-        return not (self.num_tokens == 1 and self.start_pos == self.req.num_tokens - 1)
+        """Not a plain decode (feeding exactly the last sampled token, to sample the next)."""
+        return not (self.sample and len(self.token_ids) == 1)
 
 
-@dataclass
+@dataclass(slots=True)
 class SwapOp:
     """Move a request's KV between device slots and the host pool.
     swap_out: copy K/V at `slots` to host under req_id (the slots are then freed).
@@ -51,36 +82,38 @@ class SwapOp:
 @dataclass
 class ScheduledBatch:
     step: int
+    new: list[NewRequest] = field(default_factory=list)     # before anything else: requests seen first
     seqs: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[SwapOp] = field(default_factory=list)   # done before the forward
     swap_in: list[SwapOp] = field(default_factory=list)    # done before the forward, after swap_out
-    released: list[str] = field(default_factory=list)      # req ids the executor may forget (finished, aborted, preempted)
+    finished: list[str] = field(default_factory=list)      # req ids that ended: forget them (first)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
+        return sum(len(s.token_ids) for s in self.seqs)
 
     @property
     def empty(self) -> bool:
+        """Nothing to run: the executor is not called, and `finished` waits for a batch that runs."""
         return not self.seqs and not self.swap_out and not self.swap_in
 
 
 @dataclass
 class StepResult:
-    tokens: dict[str, int] = field(default_factory=dict)              # req_id -> sampled token, for seqs with sample=True
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)   # only for requests that asked
-    step_time: float = 0.0                                            # seconds: measured (torch) or modelled (sim)
-    errors: dict[str, str] = field(default_factory=dict)              # req_id -> why no token was sampled
+    tokens: dict[str, list[int]] = field(default_factory=dict)    # req_id -> tokens sampled (accepted), in order
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)   # one per token, if the request asked
+    step_time: float = 0.0                                        # seconds: measured (torch) or modelled (sim)
+    errors: dict[str, str] = field(default_factory=dict)          # req_id -> why no token was sampled
 
 
 class Executor(Protocol):
-    """What the Engine needs from whatever runs batches (torch or simulated)."""
+    """What the engine needs from whatever runs batches (torch or simulated)."""
     kv_capacity: int                    # device KV slots, in tokens
     host_kv_capacity: int               # host (swap) pool size in tokens; 0 = no swap
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     model_name: Optional[str]           # None: the engine names the model after its path
     tokenizer: Any                      # None: the engine loads one for the model
-    paced: bool                         # True: the engine waits out step_time on the wall clock
+    paced: bool                         # True: on the wall clock, the engine waits out step_time
 
     def execute(self, batch: ScheduledBatch) -> StepResult: ...

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from shepherd.config import EngineConfig
-from shepherd.engine.executor import ScheduledBatch, ScheduledSeq, SwapOp
+from hand_batches import announced, batch, seq
 from shepherd.request import Request, RequestState, SamplingParams
+from shepherd.step import ScheduledBatch, SwapOp
 
 pytestmark = pytest.mark.model
 
@@ -50,22 +51,21 @@ class Loop:
                 st = done[r.req_id]
                 if st < len(r.prompt_ids):
                     k = len(r.prompt_ids) - st if chunk is None else min(chunk, len(r.prompt_ids) - st)
-                    seqs.append(ScheduledSeq(req=r, token_ids=r.prompt_ids[st:st + k], start_pos=st,
-                                             sample=st + k == len(r.prompt_ids), fresh=st == 0))
+                    seqs.append(seq(r, r.prompt_ids[st:st + k], st, sample=st + k == len(r.prompt_ids),
+                                    fresh=st == 0))
                     done[r.req_id] = st + k
                 else:
-                    seqs.append(ScheduledSeq(req=r, token_ids=[r.output_ids[-1]], start_pos=r.num_tokens - 1,
-                                             sample=True))
-            res = self.ex.execute(ScheduledBatch(step=self.step, seqs=seqs))
+                    seqs.append(seq(r, [r.output_ids[-1]], r.num_tokens - 1, sample=True))
+            res = self.ex.execute(batch(self.ex, self.step, seqs))
             self.step += 1
             t += 1
             for r in reqs:
                 if r.req_id in res.tokens:
-                    r.output_ids.append(res.tokens[r.req_id])
+                    r.output_ids.append(res.tokens[r.req_id][0])
         for r in reqs:
             r.state = RequestState.FINISHED
             self.free.extend(r.slots)
-        self.ex.execute(ScheduledBatch(step=self.step, released=[r.req_id for r in reqs]))
+        self.ex.execute(ScheduledBatch(step=self.step, finished=[r.req_id for r in reqs]))
         return [list(r.output_ids) for r in reqs]
 
 
@@ -142,17 +142,16 @@ def _two_chunks(loop, p, split):
     r = Request(req_id=f"two{split}", prompt_ids=list(p), params=SamplingParams(max_tokens=NEW, temperature=0.0))
     r.slots = [loop.free.pop() for _ in range(len(p) + NEW)]
     r.state = RequestState.RUNNING
-    res = ex.execute(ScheduledBatch(step=0, seqs=[ScheduledSeq(req=r, token_ids=p[:split], start_pos=0, sample=False, fresh=True)]))
+    res = ex.execute(batch(ex, 0, [seq(r, p[:split], 0, sample=False, fresh=True)]))
     assert r.req_id not in res.tokens
-    res = ex.execute(ScheduledBatch(step=1, seqs=[ScheduledSeq(req=r, token_ids=p[split:], start_pos=split, sample=True)]))
-    r.output_ids.append(res.tokens[r.req_id])
+    res = ex.execute(batch(ex, 1, [seq(r, p[split:], split, sample=True)]))
+    r.output_ids.append(res.tokens[r.req_id][0])
     while len(r.output_ids) < NEW:
-        res = ex.execute(ScheduledBatch(step=2, seqs=[ScheduledSeq(req=r, token_ids=[r.output_ids[-1]],
-                                                                   start_pos=r.num_tokens - 1, sample=True)]))
-        r.output_ids.append(res.tokens[r.req_id])
+        res = ex.execute(batch(ex, 2, [seq(r, [r.output_ids[-1]], r.num_tokens - 1, sample=True)]))
+        r.output_ids.append(res.tokens[r.req_id][0])
     r.state = RequestState.FINISHED
     loop.free.extend(r.slots)
-    ex.execute(ScheduledBatch(step=3, released=[r.req_id]))
+    ex.execute(ScheduledBatch(step=3, finished=[r.req_id]))
     return r.output_ids
 
 
@@ -164,16 +163,15 @@ def test_shared_prefix_slots_equal_fresh_prefill(ex, prompts, alone):
     # request A computes the shared prefix into its slots
     a = Request(req_id="A", prompt_ids=list(p), params=SamplingParams(max_tokens=1, temperature=0.0))
     a.slots = [loop.free.pop() for _ in range(len(p))]
-    ex.execute(ScheduledBatch(step=0, seqs=[ScheduledSeq(req=a, token_ids=p, start_pos=0, sample=True, fresh=True)]))
+    ex.execute(batch(ex, 0, [seq(a, p, 0, sample=True, fresh=True)]))
     k = len(p) - 3
     b = Request(req_id="B", prompt_ids=list(p), params=SamplingParams(max_tokens=NEW, temperature=0.0))
     b.slots = a.slots[:k] + [loop.free.pop() for _ in range(len(p) - k + NEW)]
-    res = ex.execute(ScheduledBatch(step=1, seqs=[ScheduledSeq(req=b, token_ids=p[k:], start_pos=k, sample=True, fresh=True)]))
-    b.output_ids.append(res.tokens["B"])
+    res = ex.execute(batch(ex, 1, [seq(b, p[k:], k, sample=True, fresh=True)]))
+    b.output_ids.append(res.tokens["B"][0])
     while len(b.output_ids) < NEW:
-        res = ex.execute(ScheduledBatch(step=2, seqs=[ScheduledSeq(req=b, token_ids=[b.output_ids[-1]],
-                                                                   start_pos=b.num_tokens - 1, sample=True)]))
-        b.output_ids.append(res.tokens["B"])
+        res = ex.execute(batch(ex, 2, [seq(b, [b.output_ids[-1]], b.num_tokens - 1, sample=True)]))
+        b.output_ids.append(res.tokens["B"][0])
     assert b.output_ids == alone[0]
 
 
@@ -186,15 +184,15 @@ def test_row_bits_do_not_depend_on_batch(ex, prompts):
         r = Request(req_id=f"bits{i}", prompt_ids=list(p), params=SamplingParams(max_tokens=4, temperature=0.0))
         r.slots = [loop.free.pop() for _ in range(len(p) + 4)]
         reqs.append(r)
-    def seq(r, start, n, fresh):
-        return ScheduledSeq(req=r, token_ids=r.prompt_ids[start:start + n], start_pos=start, sample=True, fresh=fresh)
+    def prefill(r):
+        return seq(r, r.prompt_ids, 0, sample=True, fresh=True)
     with torch.inference_mode():
         solo = []
         for r in reqs:
-            lg, _ = ex.forward_logits([seq(r, 0, len(r.prompt_ids), True)])
+            lg, _ = ex.forward_logits(announced(ex, [prefill(r)]))
             solo.append(lg[0].clone())
         # again, everything in one ragged forward: full prefills of all 16 at once
-        lg, sampled = ex.forward_logits([seq(r, 0, len(r.prompt_ids), True) for r in reqs])
+        lg, sampled = ex.forward_logits(announced(ex, [prefill(r) for r in reqs]))
     for i in range(len(reqs)):
         assert torch.equal(lg[i], solo[i]), f"request {i}: logits differ in a batch"
 
@@ -216,14 +214,14 @@ def test_whole_forward_equals_one_call_per_op(ex, prompts):
     def run(whole: bool) -> list:
         m.whole_forward = whole
         with torch.inference_mode():
-            a, _ = ex.forward_logits([ScheduledSeq(req=r, token_ids=r.prompt_ids, start_pos=0, sample=True,
-                                                   fresh=True) for r in first])
+            a, _ = ex.forward_logits(announced(ex, [seq(r, r.prompt_ids, 0, sample=True, fresh=True)
+                                                    for r in first]))
             toks = a.argmax(-1).tolist()
-            mixed = [ScheduledSeq(req=r, token_ids=[t], start_pos=len(r.prompt_ids), sample=True)
+            mixed = [seq(r, [t], len(r.prompt_ids), sample=True)
                      for r, t in zip(first, toks)]
-            mixed += [ScheduledSeq(req=r, token_ids=r.prompt_ids, start_pos=0, sample=True, fresh=True)
+            mixed += [seq(r, r.prompt_ids, 0, sample=True, fresh=True)
                       for r in second]
-            b, _ = ex.forward_logits(mixed)
+            b, _ = ex.forward_logits(announced(ex, mixed))
         return [a.clone(), b.clone()]
 
     try:
@@ -245,9 +243,8 @@ def test_non_invariant_mode_is_a_real_switch(ex, prompts):
 
 def _decode(ex, r, until):
     while len(r.output_ids) < until:
-        res = ex.execute(ScheduledBatch(step=9, seqs=[ScheduledSeq(req=r, token_ids=[r.output_ids[-1]],
-                                                                   start_pos=r.num_tokens - 1, sample=True)]))
-        r.output_ids.append(res.tokens[r.req_id])
+        res = ex.execute(batch(ex, 9, [seq(r, [r.output_ids[-1]], r.num_tokens - 1, sample=True)]))
+        r.output_ids.append(res.tokens[r.req_id][0])
 
 
 def test_preempt_recompute_and_swap_give_the_same_tokens(default_model_path, ex, prompts, alone):
@@ -263,21 +260,20 @@ def test_preempt_recompute_and_swap_give_the_same_tokens(default_model_path, ex,
     # recompute after 6 tokens
     r = Request(req_id="rc", prompt_ids=list(p), params=SamplingParams(max_tokens=NEW, temperature=0.0))
     r.slots = list(range(len(p) + NEW))
-    res = ex2.execute(ScheduledBatch(step=0, seqs=[ScheduledSeq(req=r, token_ids=p, start_pos=0, sample=True, fresh=True)]))
-    r.output_ids.append(res.tokens["rc"])
+    res = ex2.execute(batch(ex2, 0, [seq(r, p, 0, sample=True, fresh=True)]))
+    r.output_ids.append(res.tokens["rc"][0])
     _decode(ex2, r, 6)
-    ex2.execute(ScheduledBatch(step=1, released=["rc"]))           # preempted: slots freed
+    # preempted: its slots are freed; the executor keeps the request (not in `finished`)
     r.slots = list(range(1000, 1000 + len(p) + NEW))               # readmitted elsewhere
     known = r.all_ids
-    res = ex2.execute(ScheduledBatch(step=2, seqs=[ScheduledSeq(req=r, token_ids=known[:-1], start_pos=0,
-                                                                sample=False, fresh=True)]))
+    res = ex2.execute(batch(ex2, 2, [seq(r, known[:-1], 0, sample=False, fresh=True)]))
     _decode(ex2, r, NEW)
     assert r.output_ids == alone[1]
     # swap after 5 tokens
     s = Request(req_id="sw", prompt_ids=list(p), params=SamplingParams(max_tokens=NEW, temperature=0.0))
     s.slots = list(range(len(p) + NEW))
-    res = ex2.execute(ScheduledBatch(step=3, seqs=[ScheduledSeq(req=s, token_ids=p, start_pos=0, sample=True, fresh=True)]))
-    s.output_ids.append(res.tokens["sw"])
+    res = ex2.execute(batch(ex2, 3, [seq(s, p, 0, sample=True, fresh=True)]))
+    s.output_ids.append(res.tokens["sw"][0])
     _decode(ex2, s, 5)
     n_kv = s.num_tokens - 1
     ex2.execute(ScheduledBatch(step=4, swap_out=[SwapOp("sw", s.slots[:n_kv])]))
@@ -286,9 +282,8 @@ def test_preempt_recompute_and_swap_give_the_same_tokens(default_model_path, ex,
     s.slots = list(range(1500, 1500 + len(p) + NEW))
     ex2.execute(ScheduledBatch(step=5, swap_in=[SwapOp("sw", s.slots[:n_kv])]))
     assert ex2.host_used == 0
-    res = ex2.execute(ScheduledBatch(step=6, seqs=[ScheduledSeq(req=s, token_ids=[s.output_ids[-1]],
-                                                                start_pos=n_kv, sample=True, fresh=True)]))
-    s.output_ids.append(res.tokens["sw"])
+    res = ex2.execute(batch(ex2, 6, [seq(s, [s.output_ids[-1]], n_kv, sample=True, fresh=True)]))
+    s.output_ids.append(res.tokens["sw"][0])
     _decode(ex2, s, NEW)
     assert s.output_ids == alone[1]
     # the host pool is bounded

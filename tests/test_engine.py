@@ -15,7 +15,7 @@ import pytest
 
 from shepherd.config import EngineConfig, SchedulerConfig
 from shepherd.engine.engine import WATCHDOG_EXIT_CODE, Engine, EngineDeadError, QueueFull
-from shepherd.engine.executor import StepResult
+from shepherd.step import StepResult
 from shepherd.model.loader import load_tokenizer
 from shepherd.request import SamplingParams, TokenLogprob
 
@@ -39,13 +39,15 @@ class ScriptedExecutor:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.model_name = "scripted"
+        self.paced = False
+        self.reqs = {}          # req_id -> its NewRequest: what an executor keeps of a request
         self.delay = delay
         self.fail_at = fail_at
         self.gate = threading.Event()
         self.gate.set()
         self.steps = 0
         self.batch_sizes: list[int] = []
-        self.released: list[str] = []
+        self.finished: list[str] = []
 
     def execute(self, batch):
         self.gate.wait()
@@ -54,17 +56,21 @@ class ScriptedExecutor:
             raise RuntimeError("injected executor failure")
         if self.delay:
             time.sleep(self.delay)
-        self.released.extend(batch.released)
+        self.finished.extend(batch.finished)
+        for rid in batch.finished:
+            self.reqs.pop(rid, None)
+        self.reqs.update((n.req_id, n) for n in batch.new)
         self.batch_sizes.append(len(batch.seqs))
         res = StepResult(step_time=self.delay)
         for s in batch.seqs:
             if not s.sample:
                 continue
-            k = len(s.req.output_ids)
+            new = self.reqs[s.req_id]
+            k = s.end_pos - len(new.prompt_ids)        # output tokens so far
             tid = self.script[k] if k < len(self.script) else self.eos_token_ids[0]
-            res.tokens[s.req_id] = tid
-            if s.req.params.logprobs is not None:
-                res.logprobs[s.req_id] = TokenLogprob(tid, -0.5, [(tid, -0.5), (0, -2.0)][: s.req.params.logprobs])
+            res.tokens[s.req_id] = [tid]
+            if new.params.logprobs is not None:
+                res.logprobs[s.req_id] = [TokenLogprob(tid, -0.5, [(tid, -0.5), (0, -2.0)][: new.params.logprobs])]
         return res
 
 
@@ -338,13 +344,13 @@ def test_watchdog_exits_process_with_stacks():
         import asyncio, time, threading
         from shepherd.config import EngineConfig
         from shepherd.engine.engine import Engine
-        from shepherd.engine.executor import StepResult
+        from shepherd.step import StepResult
         from shepherd.model.loader import load_tokenizer
         from shepherd.request import SamplingParams
 
         class Hang:
             kv_capacity = 1024; host_kv_capacity = 0; max_model_len = 512; eos_token_ids = (2,)
-            model_name = "hang"
+            model_name = "hang"; tokenizer = None; paced = False
             def execute(self, batch):
                 time.sleep(60)
                 return StepResult()

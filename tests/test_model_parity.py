@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from shepherd.config import EngineConfig
-from shepherd.engine.executor import ScheduledBatch, ScheduledSeq
+from hand_batches import batch, seq
+from shepherd.step import ScheduledBatch
 from shepherd.request import Request, RequestState, SamplingParams
 
 pytestmark = pytest.mark.model
@@ -77,23 +78,22 @@ def shepherd_greedy(ex, prompts, n, chunk=None):
             if done[r.req_id] < len(r.prompt_ids):
                 st = done[r.req_id]
                 k = len(r.prompt_ids) - st if chunk is None else min(chunk, len(r.prompt_ids) - st)
-                seqs.append(ScheduledSeq(req=r, token_ids=r.prompt_ids[st:st + k], start_pos=st,
-                                         sample=st + k == len(r.prompt_ids), fresh=st == 0))
+                seqs.append(seq(r, r.prompt_ids[st:st + k], st, sample=st + k == len(r.prompt_ids),
+                                fresh=st == 0))
                 done[r.req_id] = st + k
             elif len(r.output_ids) < n:
-                seqs.append(ScheduledSeq(req=r, token_ids=[r.output_ids[-1]], start_pos=r.num_tokens - 1,
-                                         sample=True))
-        res = ex.execute(ScheduledBatch(step=step, seqs=seqs))
+                seqs.append(seq(r, [r.output_ids[-1]], r.num_tokens - 1, sample=True))
+        res = ex.execute(batch(ex, step, seqs))
         step += 1
         for r in reqs:
             if r.req_id in res.tokens:
-                r.output_ids.append(res.tokens[r.req_id])
-                lp = res.logprobs[r.req_id]
+                r.output_ids.append(res.tokens[r.req_id][0])
+                lp = res.logprobs[r.req_id][0]
                 assert lp.token_id == r.output_ids[-1]
                 tops[r.req_id].append([i for i, _ in lp.top])
     for r in reqs:
         r.state = RequestState.FINISHED
-    ex.execute(ScheduledBatch(step=step, released=[r.req_id for r in reqs]))
+    ex.execute(ScheduledBatch(step=step, finished=[r.req_id for r in reqs]))
     return [(r.output_ids, tops[r.req_id]) for r in reqs]
 
 

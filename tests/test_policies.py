@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from shepherd.config import SchedulerConfig
-from shepherd.engine.offline import run_offline
+from sim_targets import run_offline
 from shepherd.request import FinishReason, Request, RequestState, SamplingParams
 from shepherd.scheduler.scheduler import Scheduler
-from shepherd.sim.sim_executor import SimExecutor
+from shepherd.engine.sim_executor import SimExecutor
 
 EOS = 2
 

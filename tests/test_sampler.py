@@ -4,14 +4,16 @@ import math
 import pytest
 import torch
 
-from shepherd.model.sampler import Sampler, apply_penalties, filter_logits
-from shepherd.request import Request, SamplingParams
+from shepherd.model.sampler import Sampler, SamplingState, apply_penalties, filter_logits
+from shepherd.request import SamplingParams
+from shepherd.step import NewRequest
 
 V = 50
 
 
 def req(rid="a", prompt=(1, 2, 3), out=(), **kw):
-    r = Request(req_id=rid, prompt_ids=list(prompt), params=SamplingParams(**kw))
+    """The sampler's record of a request (what it keeps from the step contract)."""
+    r = SamplingState(NewRequest(req_id=rid, prompt_ids=list(prompt), params=SamplingParams(**kw)))
     r.output_ids = list(out)
     return r
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from shepherd.config import SchedulerConfig
-from shepherd.engine.executor import StepResult
-from shepherd.engine.offline import run_offline
+from shepherd.step import StepResult
+from sim_targets import run_offline
 from shepherd.request import FinishReason, Request, RequestState, SamplingParams
 from shepherd.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
-from shepherd.sim.sim_executor import SimExecutor
+from shepherd.engine.sim_executor import SimExecutor
 
 EOS = 2
 
@@ -75,9 +75,11 @@ class Scripted:
     def __init__(self, script, cap=512):
         self.script, self.kv_capacity, self.host_kv_capacity = script, cap, 0
         self.max_model_len, self.eos_token_ids = 8192, (EOS,)
+        self.output_lens, self.prompt_len = {}, {}
 
     def execute(self, batch):
-        return StepResult(tokens={s.req_id: self.script[s.req_id][len(s.req.output_ids)]
+        self.prompt_len.update((n.req_id, len(n.prompt_ids)) for n in batch.new)
+        return StepResult(tokens={s.req_id: [self.script[s.req_id][s.end_pos - self.prompt_len[s.req_id]]]
                                   for s in batch.seqs if s.sample}, step_time=0.01)
 
 
@@ -168,8 +170,10 @@ def test_abort_frees_kv_at_once():
     st = s.stats()
     assert st.kv_used == 0 and st.kv_free == 256
     assert s.abort("a", 0.3) is None
+    assert s.schedule(0.3).empty                 # nothing to run: the end waits for a batch that runs
+    s.add(mk("b", n=5), 0.3)
     b = s.schedule(0.3)
-    assert "a" in b.released
+    assert "a" in b.finished                     # the executor hears of it with the next batch
     s.check_integrity()
 
 
@@ -225,7 +229,7 @@ def test_output_lens_dict():
 
 def test_swap_ops_cost_time():
     ex = SimExecutor(kv_capacity=256, host_kv_capacity=256, step_time=lambda b: 0.0, swap_time_per_token=1.0)
-    from shepherd.engine.executor import ScheduledBatch, SwapOp
+    from shepherd.step import ScheduledBatch, SwapOp
     t = ex.execute(ScheduledBatch(step=1, swap_out=[SwapOp("x", [1, 2, 3])]))
     assert t.step_time == 3.0
 
@@ -268,7 +272,7 @@ def test_executor_error_for_one_request_ends_it_with_that_reason_and_frees_its_k
     s.add(b, 0.0)
     batch = s.schedule(0.0)
     assert {q.req_id for q in batch.seqs} == {"a", "b"}
-    outs = s.on_step(batch, StepResult(tokens={"b": 7}, errors={"a": "structured output failed"}), 0.1)
+    outs = s.on_step(batch, StepResult(tokens={"b": [7]}, errors={"a": "structured output failed"}), 0.1)
     ends = {o.req_id: o for o in outs if o.finished}
     assert ends["a"].finish_reason is FinishReason.ERROR and ends["a"].error == "structured output failed"
     assert "b" not in ends and b.output_ids == [7]      # the other request keeps running

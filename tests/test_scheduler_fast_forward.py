@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from shepherd.config import SchedulerConfig
 from shepherd.request import Request, SamplingParams
 from shepherd.scheduler.scheduler import Scheduler
-from shepherd.sim.sim_executor import SimExecutor
+from shepherd.engine.sim_executor import SimExecutor
+from shepherd.step import StepResult
+from sim_targets import targets
 
 
 def workload(seed, n, shared):
@@ -40,20 +42,28 @@ def snapshot(s: Scheduler):
 
 def tokens_upto(ex, r, k):
     """The next k tokens the executor samples for r; only the last may be EOS."""
-    ids = r.output_ids
-    n0 = len(ids)
-    try:
-        for _ in range(k):
-            ids.append(ex.next_token(r))
-        return ids[n0:]
-    finally:
-        del ids[n0:]
+    st = ex.seqs[r.req_id]
+    n = len(r.output_ids)
+    prev = r.all_ids[-1]
+    out = []
+    for j in range(k):
+        prev = ex.next_token(st, n + j, prev)
+        out.append(prev)
+    return out
+
+
+def tokens_ahead(ex, r, k):
+    """The next k tokens, or None if one of them would stop r (EOS)."""
+    toks = tokens_upto(ex, r, k)
+    if not r.params.ignore_eos and any(t in ex.eos_token_ids or t == ex.eos_token_id for t in toks):
+        return None
+    return toks
 
 
 def drive(cfg, reqs, fast: bool, check_every=True, finishing=False):
     s = Scheduler(cfg, host_kv_capacity=cfg.max_total_tokens // 2, max_model_len=512)
     ex = SimExecutor(kv_capacity=cfg.max_total_tokens, host_kv_capacity=cfg.max_total_tokens // 2,
-                     step_time=lambda b: 1.0, check=not fast)
+                     step_time=lambda b: 1.0, check=not fast, output_lens=targets(reqs))
     reqs = sorted(reqs, key=lambda r: r.arrival)
     now, i, steps, ff_steps = 0.0, 0, 0, 0
     trace = []
@@ -68,7 +78,7 @@ def drive(cfg, reqs, fast: bool, check_every=True, finishing=False):
             h = s.decode_horizon(now, finishing=finishing)
             k = h
             for r in s.running:
-                t = ex.target_len(r)
+                t = ex.target_len(ex.seqs[r.req_id])
                 if t is not None:
                     k = min(k, t - len(r.output_ids) - (0 if finishing else 1))
             if i < len(reqs):
@@ -77,7 +87,7 @@ def drive(cfg, reqs, fast: bool, check_every=True, finishing=False):
                 if finishing:   # the k-th step may end requests (EOS or max_tokens)
                     toks = {r.req_id: tokens_upto(ex, r, k) for r in s.running}
                 else:
-                    toks = {r.req_id: ex.tokens_ahead(r, k) for r in s.running}
+                    toks = {r.req_id: tokens_ahead(ex, r, k) for r in s.running}
                 now += k
                 s.fast_forward(k, toks, now)
                 steps += k
@@ -88,7 +98,6 @@ def drive(cfg, reqs, fast: bool, check_every=True, finishing=False):
         res = ex.execute(b) if not b.empty else None
         if res is not None:
             now += res.step_time
-        from shepherd.engine.executor import StepResult
         s.on_step(b, res or StepResult(), now)
         steps += 1
         trace.append((steps, snapshot(s)))
@@ -164,7 +173,7 @@ def test_fast_forward_refuses_beyond_horizon():
         s.fast_forward(h + 1, {"a": [5] * (h + 1)}, 2.0)
     with pytest.raises(ValueError):
         s.fast_forward(2, {"a": [2, 5]}, 2.0)     # EOS before the last token
-    assert r.output_ids == [r.output_ids[0]] and not s._released
+    assert r.output_ids == [r.output_ids[0]] and s.stats().finished == 0
 
 
 @pytest.mark.parametrize("last", [5, 2])
@@ -183,6 +192,6 @@ def test_fast_forward_ends_requests_at_its_last_step(last):
     outs = s.fast_forward(3, {"a": [7, 7, last], "b": [8, 8, 8]}, 4.0)
     assert [(o.req_id, o.finished) for o in outs] == [("a", True), ("b", False)]
     assert outs[0].finish_reason is (FinishReason.LENGTH if last == 5 else FinishReason.STOP)
-    assert a.finished_at == 4.0 and [e.req for e in s._running] == [b]
-    assert s._released == ["a"] and a.slots == []      # its KV went back (to the prefix cache)
-    assert s.schedule(4.0).released == ["a"]   # the executor hears of it with the next batch
+    assert a.finished_at == 4.0 and s.running == [b]
+    assert s.stats().finished == 1 and a.slots == []      # its KV went back (to the prefix cache)
+    assert s.schedule(4.0).finished == ["a"]   # the executor hears of it with the next batch

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shepherd.config import POLICIES, SchedulerConfig
-from shepherd.engine.offline import run_offline
+from sim_targets import run_offline
 from shepherd.request import FinishReason, Request, RequestState, SamplingParams
 from shepherd.scheduler.scheduler import Scheduler
-from shepherd.sim.sim_executor import SimExecutor
+from shepherd.engine.sim_executor import SimExecutor
 
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
 

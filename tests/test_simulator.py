@@ -92,13 +92,9 @@ def test_preemption_happens_under_pressure():
 def plain_loop(trace, sched_cfg, cost, kv, vocab):
     """A plain schedule/execute loop with the shared SimExecutor: the reference schedule."""
     from shepherd.scheduler.scheduler import Scheduler
-    from shepherd.sim.sim_executor import SimExecutor
-    from shepherd.sim.replica import _TokenMixin
+    from shepherd.sim.replica import SimTokens
 
-    class Ex(_TokenMixin, SimExecutor):
-        pass
-
-    ex = Ex(kv_capacity=kv, host_kv_capacity=kv if sched_cfg.preemption == "swap" else 0, max_model_len=kv,
+    ex = SimTokens(kv_capacity=kv, host_kv_capacity=kv if sched_cfg.preemption == "swap" else 0, max_model_len=kv,
             step_time=cost.step_time, swap_time_per_token=0.0, vocab_size=vocab)
     sc = SchedulerConfig(**{**sched_cfg.__dict__, "max_total_tokens": kv})
     sched = Scheduler(sc, host_kv_capacity=ex.host_kv_capacity, max_model_len=kv)
@@ -121,7 +117,7 @@ def plain_loop(trace, sched_cfg, cost, kv, vocab):
                 clock = pending[i].arrival
                 continue
             break
-        batches.append((0, clock, [(s.req.req_id, s.start_pos, len(s.token_ids)) for s in batch.seqs]))
+        batches.append((0, clock, [(s.req_id, s.start_pos, len(s.token_ids)) for s in batch.seqs]))
         res = ex.execute(batch)
         clock += res.step_time
         sched.on_step(batch, res, clock)
@@ -245,25 +241,17 @@ def test_quiet_replicas_skipped_by_count_routers_give_the_same_records(router):
 
 def test_chunk_token_blocks_equal_per_request_blocks():
     """The fast path's one-pass tokens for a chunk are each request's own token_block."""
-    from shepherd.request import Request, SamplingParams
-    from shepherd.sim.replica import _TokenMixin
+    from shepherd.request import SamplingParams
+    from shepherd.sim.replica import SimTokens
+    from shepherd.step import NewRequest, ScheduledBatch
 
-    class Exe(_TokenMixin):
-        eos_token_id, vocab_size = 2, 128256
-
-        def __init__(self):
-            self.lens = {}
-
-        def target_len(self, req):
-            return self.lens.get(req.req_id)
-
-    exe = Exe()
-    reqs = [Request(req_id=f"r{i}", prompt_ids=[5 + 977 * i, 128000 - i], params=SamplingParams(max_tokens=99),
-                    output_ids=[7] * i) for i in range(5)]
-    exe.lens = {"r0": 41, "r3": 10_000}          # r0 samples EOS at its 41st token
+    exe = SimTokens(eos_token_id=2, vocab_size=128256, output_lens={"r0": 41, "r3": 10_000})  # r0: EOS at its 41st
+    exe.execute(ScheduledBatch(step=0, new=[NewRequest(f"r{i}", [5 + 977 * i, 128000 - i], SamplingParams(max_tokens=99))
+                                            for i in range(5)]))
+    running = [(f"r{i}", i) for i in range(5)]     # (request, its output tokens so far)
     for k in (38, 41, 200):
-        assert exe.token_blocks(reqs, k) == {r.req_id: exe.token_block(r, k) for r in reqs}
-    assert exe.token_blocks(reqs, 41)["r0"][-1] == 2 and 2 not in exe.token_blocks(reqs, 38)["r0"]
+        assert exe.token_blocks(running, k) == {rid: exe.token_block(rid, n, k) for rid, n in running}
+    assert exe.token_blocks(running, 41)["r0"][-1] == 2 and 2 not in exe.token_blocks(running, 38)["r0"]
 
 
 def test_run_leaves_the_process_gc_threshold_as_it_found_it():

@@ -1,5 +1,5 @@
-"""The structure stays small and layered: no upward imports, no module over
-500 lines, no function over 80 lines in shepherd/ (tests and benchmarks aside).
+"""The structure stays layered: no upward imports in shepherd/ (tests and
+benchmarks aside); module and function sizes are printed as a report.
 
 Layers, bottom to top (a module may import its own layer and the ones below):
 
@@ -22,8 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "shepherd"
 
-MAX_MODULE_LINES = 500
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 80   # the walker's check below: a function of 90 lines is seen as one
 
 LAYERS = {
     "shepherd.config": 0, "shepherd.request": 0, "shepherd.paths": 0, "shepherd.step": 0, "shepherd": 0,
@@ -33,12 +32,6 @@ LAYERS = {
     "shepherd.sim": 4, "shepherd.bench": 4, "shepherd.server": 4, "shepherd.gateway": 4,
     "shepherd.cli": 5, "shepherd.__main__": 5,
 }
-
-# Modules still over MAX_MODULE_LINES, owned by work in flight.
-MODULE_ALLOWLIST: set = set()
-
-# Functions still over MAX_FUNCTION_LINES ("path:qualified name"), owned by work in flight.
-FUNCTION_ALLOWLIST: set = set()
 
 # Upward imports ("path -> module"), owned by work in flight.
 IMPORT_ALLOWLIST: set = set()
@@ -133,17 +126,16 @@ def test_bench_and_sim_do_not_import_each_other():
         assert not BENCH_SIM_ALLOWLIST, "bench and sim no longer import each other: empty BENCH_SIM_ALLOWLIST"
 
 
-def test_module_sizes():
-    big = {rel for rel, path, _ in _modules() if len(path.read_text().splitlines()) > MAX_MODULE_LINES}
-    assert big <= MODULE_ALLOWLIST, f"modules over {MAX_MODULE_LINES} lines: {sorted(big - MODULE_ALLOWLIST)}"
-    assert MODULE_ALLOWLIST <= big, f"now small, remove from MODULE_ALLOWLIST: {sorted(MODULE_ALLOWLIST - big)}"
-
-
-def test_function_sizes():
-    big = {f"{rel}:{name}" for rel, _, tree in _modules()
-           for name, n in _functions(tree) if n > MAX_FUNCTION_LINES}
-    assert big <= FUNCTION_ALLOWLIST, f"functions over {MAX_FUNCTION_LINES} lines: {sorted(big - FUNCTION_ALLOWLIST)}"
-    assert FUNCTION_ALLOWLIST <= big, f"now short, remove from FUNCTION_ALLOWLIST: {sorted(FUNCTION_ALLOWLIST - big)}"
+def test_size_report(capsys):
+    """Line counts are a report, not a cap (a cap steers the carving toward the number): the
+    largest modules and functions, printed (pytest -s, or -rA, shows them)."""
+    mods = sorted(((len(path.read_text().splitlines()), rel) for rel, path, _ in _modules()), reverse=True)
+    funcs = sorted(((n, f"{rel}:{name}") for rel, _, tree in _modules() for name, n in _functions(tree)),
+                   reverse=True)
+    with capsys.disabled():
+        print("\nlargest modules:  " + ", ".join(f"{rel} {n}" for n, rel in mods[:8]))
+        print("largest functions: " + ", ".join(f"{name} {n}" for n, name in funcs[:8]))
+    assert mods and funcs and mods[0][0] >= funcs[0][0]
 
 
 def test_the_checks_can_fail():

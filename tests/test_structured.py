@@ -11,8 +11,9 @@ import torch
 from shepherd.model.constraints import apply_constraints
 from shepherd.model.grammar import GrammarCompiler, GrammarError, GrammarMasks, check_schema
 from shepherd.model.loader import load_tokenizer
-from shepherd.model.sampler import Sampler
-from shepherd.request import Request, SamplingParams
+from shepherd.model.sampler import Sampler, SamplingState
+from shepherd.request import SamplingParams
+from shepherd.step import NewRequest
 from shepherd.server import tools
 from shepherd.server.guard import body_problem
 from shepherd.server.protocol import ChatCompletionRequest
@@ -34,8 +35,9 @@ def tok():
 
 
 def _req(rid, tok, **kw):
-    return Request(req_id=rid, prompt_ids=[1], params=SamplingParams(temperature=0.0, **kw),
-                   eos_token_ids=tuple(tok.eos_token_ids))
+    """The sampler's record of a request (what it keeps from the step contract)."""
+    return SamplingState(NewRequest(req_id=rid, prompt_ids=[1], params=SamplingParams(temperature=0.0, **kw),
+                                    eos_token_ids=tuple(tok.eos_token_ids)))
 
 
 def _run(sampler, reqs, vocab, steps, seed=0):

@@ -364,6 +364,11 @@ def token_objects(vocab_size: int) -> np.ndarray:
     return np.arange(vocab_size, dtype=np.int64).astype(object)
 
 
+def seeded_stream(key: str, n: int, vocab_size: int) -> list[int]:
+    """The first n tokens of the stream named `key` (e.g. calibrate's prompts)."""
+    return _stream(_seed_of(key), 0, n, vocab_size)
+
+
 @functools.lru_cache(maxsize=256)
 def _shared_stream(key: str, n: int, vocab_size: int) -> tuple:
     """A shared piece (block, system prompt, session) of n tokens; they recur, so kept."""

@@ -1,295 +1,127 @@
-"""The engine core: scheduler + executor and the one loop that drives them.
+"""The one engine step: schedule -> execute -> on_step, on a wall or a virtual clock.
 
-    core = EngineCore(cfg)                       # builds the executor (torch or sim) and the scheduler
-    run_loop(core, recv, send)                   # until a SHUTDOWN item arrives
+    core = EngineCore(scheduler, executor, WallClock(executor.paced))   # serve (engine/build.py)
+    core = EngineCore(scheduler, executor, VirtualClock())              # offline driver, calibrate,
+                                                                        # the simulator's replicas
+    step = core.step(now)     # Step: the batch, the outputs handed out, when it ran
 
-The loop is the same whether the core runs in a thread of the server process
-(`Engine`, tests and in-process benchmarks) or in a process of its own
-(`CoreProcessEngine`, `shepherd serve`): only `recv` and `send` differ.
+Every driver calls this one method: the engine-core process (core_loop.py),
+the offline driver (offline.py), the simulator's replica and calibrate. The
+rules they used to write each their own way are kept here, once:
 
-    recv(timeout) -> list of intake items      # timeout None = block until something comes
-    send(CoreStep)                             # one message per step: every request's new tokens
-
-Each iteration drains the intake (adds, aborts, finishes), runs one
-schedule -> execute -> on_step, and sends one CoreStep. Nothing in here grows
-with the number of streams beyond the scheduler's own work and building the
-outputs: detokenisation, stop strings and SSE are the front's (output.py).
-When there is nothing to do the loop blocks in recv; it never spins.
+  - an empty batch (no sequences, no swaps) is not run: the executor is not
+    called, the clock does not move, and the requests that ended wait in the
+    scheduler for the next batch that runs (batch.finished); outputs made
+    inside schedule() (a request that can never fit ends with an error) are
+    still handed out;
+  - a step that runs starts at clock.start(now) and ends at clock.end(start,
+    step_time): on the wall clock the measured end (a paced executor's
+    modelled time waited out first), on a virtual clock start + step_time;
+    on_step sees the end;
+  - inside a multi-step window (vLLM v0.6) the outputs are held and handed
+    out together at the window's end, as vLLM processes a window's outputs
+    after its last step.
 """
 from __future__ import annotations
 
-import dataclasses
-import faulthandler
-import logging
-import os
-import sys
-import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Protocol
 
-from shepherd.config import EngineConfig
-from shepherd.engine.metrics import StepLogger
-from shepherd.request import FinishReason, Request, TokenLogprob
-from shepherd.scheduler.scheduler import QueueFull, RequestRejected, Scheduler, SchedulerStats
-from shepherd.step import StepResult
-
-logger = logging.getLogger("shepherd.engine")
-
-WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE
-
-# intake items (tuples: cheap to pickle)
-ADD, ABORT, FINISH, SHUTDOWN = "add", "abort", "finish", "shutdown"
+from shepherd.request import RequestOutput
+from shepherd.scheduler.scheduler import Scheduler
+from shepherd.step import Executor, ScheduledBatch, StepResult
 
 
-class CoreOutput(NamedTuple):
-    """What one step produced for one request. On the wire it is a plain tuple in this field
-    order (a NamedTuple pickles several times slower: benchmarks/ipc_cost.py); the front
-    reads it back with CoreOutput._make."""
-    req_id: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    finished: bool
-    finish_reason: Optional[str]
-    error: Optional[str]
-    completion_tokens: int
-    cached_tokens: int
-    queue_time: Optional[float]     # arrival -> first admission, on the request's first output only
+class Clock(Protocol):
+    def start(self, now: float) -> float:
+        """When the executor starts a batch scheduled at `now`."""
+
+    def end(self, start: float, step_time: float) -> float:
+        """When a step that started at `start` and took `step_time` (the executor's figure) ends."""
 
 
-class CoreStep(NamedTuple):
-    """One message from the core to the front: all of one iteration."""
-    answers: list[tuple]            # (req_id, None) accepted | (req_id, (kind, message, retry_after))
-    outputs: list[tuple]            # CoreOutput fields, as plain tuples
-    stats: SchedulerStats
-    step_time: Optional[float]      # executor time of the step, None when no step ran
-    generated: int
+class WallClock:
+    """The machine's monotonic clock. A paced executor (the simulated one behind `shepherd
+    serve --executor sim`) takes as long on it as its modelled step time says."""
+
+    def __init__(self, paced: bool = False):
+        self.paced = paced
+
+    def start(self, now: float) -> float:
+        return time.monotonic()
+
+    def end(self, start: float, step_time: float) -> float:
+        if self.paced and step_time:
+            left = step_time - (time.monotonic() - start)
+            if left > 0:
+                time.sleep(left)
+        return time.monotonic()
 
 
-class CoreInfo(NamedTuple):
-    """What the front needs to know about the core once it is built."""
-    kv_capacity: int
-    host_kv_capacity: int
-    max_model_len: int
-    eos_token_ids: tuple
-    model_name: str
+class VirtualClock:
+    """Time as the executor reports it: a step ends step_time after it starts. `charge`, when
+    given, is what a step of that time costs on this clock (the simulator passes its step
+    shape's window cost)."""
+
+    def __init__(self, charge: Optional[Callable[[float], float]] = None):
+        self.charge = charge
+
+    def start(self, now: float) -> float:
+        return now
+
+    def end(self, start: float, step_time: float) -> float:
+        return start + (self.charge(step_time) if self.charge is not None else step_time)
+
+
+class Step(NamedTuple):
+    batch: ScheduledBatch
+    outputs: list[RequestOutput]     # handed out now (inside a multi-step window: none yet)
+    start: float                     # when the executor started; == end when nothing ran
+    end: float
+    step_time: Optional[float]       # the executor's own figure; None when nothing ran
+    scheduler_s: float               # wall seconds in schedule() + on_step() (calibrate fits them)
+
+    @property
+    def ran(self) -> bool:
+        return self.step_time is not None
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, executor: Any = None, tokenizer: Any = None):
-        self.cfg = cfg
-        if executor is None:
-            executor, tokenizer = build_executor(cfg, tokenizer)
-        elif tokenizer is None:
-            tokenizer = getattr(executor, "tokenizer", None)
-            if tokenizer is None:
-                from shepherd.model.loader import load_tokenizer
-                tokenizer = load_tokenizer(cfg.model)
+    """A scheduler and an executor stepped together (engine/build.py puts them together)."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, clock: Clock):
+        self.scheduler = scheduler
         self.executor = executor
-        self.tokenizer = tokenizer
-        self._paced = bool(getattr(executor, "paced", False))
-        self.info = CoreInfo(
-            kv_capacity=int(executor.kv_capacity),
-            host_kv_capacity=int(getattr(executor, "host_kv_capacity", 0) or 0),
-            max_model_len=int(executor.max_model_len),
-            eos_token_ids=tuple(getattr(executor, "eos_token_ids", ()) or getattr(tokenizer, "eos_token_ids", ())
-                                or ()),
-            model_name=str(getattr(executor, "model_name", None) or model_name_from_path(cfg.model)))
-        sched_cfg = dataclasses.replace(cfg.scheduler, max_total_tokens=self.info.kv_capacity)
-        if sched_cfg.max_total_tokens % sched_cfg.page_size:
-            sched_cfg.max_total_tokens -= sched_cfg.max_total_tokens % sched_cfg.page_size
-        sched_cfg.validate()
-        self.scheduler = Scheduler(sched_cfg, host_kv_capacity=self.info.host_kv_capacity,
-                                   max_model_len=self.info.max_model_len)
-        self.step_logger = StepLogger(cfg.log_every_steps)
-        self.step_started: Optional[float] = None      # read by the watchdog
+        self.clock = clock
+        self.step_started: Optional[float] = None    # monotonic start of the execute in progress (watchdog)
         self.num_steps = 0
-        self.last_stats = self.scheduler.stats()
-        self._reqs: dict[str, Request] = {}
-        self._first: set[str] = set()                  # requests that have not produced a token yet
+        self._held: list[RequestOutput] = []          # a multi-step window's outputs, until its end
 
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
-    # ---------------------------------------------------------------- intake
-    def intake(self, items: list, now: float) -> tuple[list, list[tuple]]:
-        """Adds, aborts and finishes -> (answers to the adds, abort terminals)."""
-        answers: list = []
-        outs: list[tuple] = []
-        for kind, arg in items:
-            if kind == ADD:
-                req: Request = arg
-                req.arrival = min(req.arrival, now)
-                try:
-                    self.scheduler.add(req, now)
-                except QueueFull as e:
-                    answers.append((req.req_id, ("full", str(e), float(e.retry_after or 1.0))))
-                    continue
-                except RequestRejected as e:
-                    answers.append((req.req_id, ("rejected", str(e), 0.0)))
-                    continue
-                self._reqs[req.req_id] = req
-                self._first.add(req.req_id)
-                answers.append((req.req_id, None))
-            elif kind == ABORT:
-                self.scheduler.abort(arg, now)
-                req = self._reqs.pop(arg, None)
-                if req is not None:
-                    outs.append(self._output(req, [], [], True, FinishReason.ABORT.value, None))
-            elif kind == FINISH:   # the front matched a stop string and has answered already
-                self.scheduler.finish(arg, FinishReason.STOP, now)
-                self._reqs.pop(arg, None)
-        return answers, outs
-
-    def abort_all(self, now: float) -> list[tuple]:
-        return self.intake([(ABORT, rid) for rid in list(self._reqs)], now)[1]
-
-    # ------------------------------------------------------------------ step
-    def step(self) -> tuple[list[tuple], Optional[float], int]:
-        """One schedule -> execute -> on_step: (outputs, executor step time or None, tokens generated).
-        The scheduler's stats after the step are kept in `self.last_stats` for the loop to send."""
-        now = time.monotonic()
-        batch = self.scheduler.schedule(now)
-        if batch.empty and not batch.released:
-            return self._outputs(self.scheduler.on_step(batch, StepResult(), now)), None, 0
-        t0 = self.step_started = time.monotonic()
+    def step(self, now: float) -> Step:
+        sched = self.scheduler
+        t0 = time.perf_counter()
+        batch = sched.schedule(now)
+        if batch.empty:
+            outs = self._hand_out(sched.on_step(batch, StepResult(), now), hold=False)
+            return Step(batch, outs, now, now, None, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        start = self.clock.start(now)
+        self.step_started = time.monotonic()
         try:
             result = self.executor.execute(batch)
-            if self._paced and result.step_time:
-                # simulated executor: take as long as the cost model says the step takes
-                left = result.step_time - (time.monotonic() - t0)
-                if left > 0:
-                    time.sleep(left)
+            end = self.clock.end(start, result.step_time)
         finally:
             self.step_started = None
-        now = time.monotonic()
+        t2 = time.perf_counter()
+        outs = sched.on_step(batch, result, end)
         self.num_steps += 1
-        outs = self._outputs(self.scheduler.on_step(batch, result, now))
-        generated = sum(len(o[1]) for o in outs)
-        self.last_stats = self.scheduler.stats()     # a fresh snapshot: logged here, sent by the loop
-        self.step_logger.on_step(self.last_stats, now, generated)
-        return outs, float(result.step_time or (now - t0)), generated
+        outs = self._hand_out(outs, hold=sched.in_window)
+        return Step(batch, outs, start, end, result.step_time, (t1 - t0) + (time.perf_counter() - t2))
 
-    def _outputs(self, ros) -> list[tuple]:
-        outs = []
-        for o in ros or ():
-            req = self._reqs.get(o.req_id)
-            if req is None:
-                continue
-            reason = o.finish_reason.value if isinstance(o.finish_reason, FinishReason) else o.finish_reason
-            if o.finished:
-                del self._reqs[o.req_id]
-            outs.append(self._output(req, o.new_token_ids, o.logprobs, o.finished, reason, o.error))
+    def _hand_out(self, outs: list[RequestOutput], hold: bool) -> list[RequestOutput]:
+        if hold:
+            self._held.extend(outs)
+            return []
+        if self._held:
+            outs, self._held = self._held + outs, []
         return outs
-
-    def _output(self, req: Request, ids, lps, finished: bool, reason, error) -> tuple:
-        qt = None
-        if (ids or finished) and req.req_id in self._first:
-            self._first.discard(req.req_id)
-            if req.admitted_at is not None:
-                qt = max(0.0, req.admitted_at - req.arrival)
-        return (req.req_id, list(ids), list(lps), finished, reason, error, len(req.output_ids),
-                int(req.num_cached or 0), qt)
-
-
-def run_loop(core: EngineCore, recv: Callable[[Optional[float]], list], send: Callable[[CoreStep], None]) -> None:
-    """The engine loop (see the module doc). Returns after a SHUTDOWN item, having aborted what was left."""
-    stalled = False
-    while True:
-        if not core.has_work:
-            core.step_logger.idle()
-        # work exists but nothing could be scheduled last time: wait a little for an intake
-        # item (an abort may free room) instead of spinning
-        items = recv(None if not core.has_work else (0.01 if stalled else 0.0))
-        now = time.monotonic()
-        stop = any(kind == SHUTDOWN for kind, _ in items)
-        items = [it for it in items if it[0] != SHUTDOWN]
-        answers, outs = core.intake(items, now)
-        if stop:
-            outs += core.abort_all(now)
-            send(CoreStep(answers, outs, core.scheduler.stats(), None, 0))
-            return
-        step_time, generated = None, 0
-        if core.has_work:
-            step_outs, step_time, generated = core.step()
-            outs += step_outs
-        stalled = not (answers or outs or step_time is not None or items)
-        if not stalled:
-            stats = core.last_stats if step_time is not None else core.scheduler.stats()
-            send(CoreStep(answers, outs, stats, step_time, generated))
-
-
-# ------------------------------------------------------------------ building
-def build_executor(cfg: EngineConfig, tokenizer: Any):
-    if cfg.executor == "sim":
-        from shepherd.config import ModelConfig
-        from shepherd.engine.sim_executor import SimExecutor
-        if tokenizer is None:
-            from shepherd.model.loader import load_tokenizer
-            tokenizer = load_tokenizer(cfg.model)
-        cap = int(cfg.max_total_tokens or cfg.scheduler.max_total_tokens)
-        if cfg.host_kv_tokens:
-            host = int(cfg.host_kv_tokens)
-        else:
-            host = cap if cfg.scheduler.preemption == "swap" else 0
-        eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
-        ex = SimExecutor(kv_capacity=cap, host_kv_capacity=host,
-                         max_model_len=min(ModelConfig().max_position_embeddings, cap),
-                         eos_token_id=eos, vocab_size=tokenizer.vocab_size,
-                         eos_token_ids=tuple(tokenizer.eos_token_ids), tokenizer=tokenizer,
-                         model_name=model_name_from_path(cfg.model),
-                         paced=True)  # the engine waits out the modelled step time on the wall clock
-        return ex, tokenizer
-    if cfg.executor == "torch":
-        from shepherd.engine.torch_executor import TorchExecutor
-        ex = TorchExecutor(cfg)
-        return ex, tokenizer or ex.tokenizer
-    raise ValueError(f"executor must be 'torch' or 'sim', got {cfg.executor!r}")
-
-
-def model_name_from_path(path: Optional[str]) -> str:
-    try:
-        from shepherd.model.loader import model_name_for
-        return model_name_for(path)
-    except Exception:  # noqa: BLE001
-        pass
-    if not path:
-        return "SmolLM2-135M-Instruct"
-    base = os.path.basename(os.path.normpath(path))
-    for ext in (".gguf", ".safetensors"):
-        if base.endswith(ext):
-            base = base[: -len(ext)]
-    return base or str(path)
-
-
-# ------------------------------------------------------------------ watchdog
-def start_watchdog(core: EngineCore, timeout: float, on_fire: Callable[[float], None],
-                   stop_evt: threading.Event) -> threading.Thread:
-    """A thread that calls on_fire(elapsed) once if one executor step runs longer than `timeout`."""
-    interval = min(1.0, max(0.01, timeout / 4))
-
-    def watch():
-        while not stop_evt.wait(interval):
-            t0 = core.step_started
-            if t0 is not None and time.monotonic() - t0 > timeout:
-                on_fire(time.monotonic() - t0)
-                return
-
-    t = threading.Thread(target=watch, name="shepherd-watchdog", daemon=True)
-    t.start()
-    return t
-
-
-def watchdog_exit(timeout: float) -> Callable[[float], None]:
-    """The default watchdog action: dump every thread's stack and exit the process."""
-    def fire(elapsed: float) -> None:
-        msg = (f"shepherd watchdog: one engine step has run for {elapsed:.1f}s "
-               f"(> --watchdog-timeout {timeout}s); dumping all thread stacks and exiting")
-        logger.critical(msg)
-        try:
-            print(msg, file=sys.stderr, flush=True)
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            sys.stderr.flush()
-        finally:
-            os._exit(WATCHDOG_EXIT_CODE)
-    return fire

@@ -29,7 +29,7 @@ import time
 from typing import Callable, Optional
 
 from shepherd.config import ConfigError, EngineConfig
-from shepherd.engine.core import SHUTDOWN, WATCHDOG_EXIT_CODE, CoreStep
+from shepherd.engine.core_loop import SHUTDOWN, WATCHDOG_EXIT_CODE, CoreStep
 from shepherd.engine.core_proc import core_main
 from shepherd.engine.engine import EngineFront
 

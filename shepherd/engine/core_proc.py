@@ -9,10 +9,10 @@ the server's threads. The process
      the pipe (a core killed by the group signal would look like a crash);
      asks the kernel to kill it if the server dies (PR_SET_PDEATHSIG),
   2. binds itself to `cpus` and sets its torch threads before torch is imported,
-  3. builds the EngineCore and answers ("ready", CoreInfo, tokenizer, stats)
-     or ("error", kind, message),
-  4. runs core.run_loop with the pipe as recv/send until SHUTDOWN, and exits
-     quietly when the server goes away (EOF on the pipe: no orphan).
+  3. builds the core (engine/build.py) and answers ("ready", CoreInfo,
+     tokenizer, stats) or ("error", kind, message),
+  4. runs core_loop.run_loop with the pipe as recv/send until SHUTDOWN, and
+     exits quietly when the server goes away (EOF on the pipe: no orphan).
 
 Wire format: multiprocessing.Connection (pickle over a socketpair). Server ->
 core messages are lists of intake tuples; core -> server messages are one
@@ -33,7 +33,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class PipeRecv:
-    """core.run_loop's recv over a Connection: every message waiting, each a list of intake items."""
+    """core_loop.run_loop's recv over a Connection: every message waiting, each a list of intake items."""
 
     def __init__(self, conn):
         self.conn = conn
@@ -79,9 +79,10 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format=LOG_FORMAT)
     log = logging.getLogger("shepherd.core")
     pin(cpus, cfg.num_threads)
-    from shepherd.engine.core import EngineCore, start_watchdog, watchdog_exit
+    from shepherd.engine.build import build_served_core
+    from shepherd.engine.core_loop import start_watchdog, watchdog_exit
     try:
-        core = EngineCore(cfg)
+        served = build_served_core(cfg)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which exits with the reason
         kind = "config" if isinstance(e, (ValueError, FileNotFoundError)) else "load"
         log.debug("core build failed", exc_info=True)
@@ -94,21 +95,22 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
         threads = 0
     log.info("engine core pid %d: cpus %s, torch threads %d", os.getpid(),
              sorted(os.sched_getaffinity(0)), threads)
-    conn.send(("ready", core.info, core.tokenizer, copy.copy(core.scheduler.stats())))
+    conn.send(("ready", served.info, served.tokenizer, copy.copy(served.scheduler.stats())))
     if cfg.watchdog_timeout and cfg.watchdog_timeout > 0:
-        start_watchdog(core, float(cfg.watchdog_timeout), watchdog_exit(cfg.watchdog_timeout), threading.Event())
+        start_watchdog(served.core, float(cfg.watchdog_timeout), watchdog_exit(cfg.watchdog_timeout),
+                       threading.Event())
     # The loop runs in this process's main thread: libgomp (torch's OpenMP) keeps a warm worker
     # team only for the initial thread; driven from another thread, every parallel region paid
     # for a fresh team and a decode step took 40 ms instead of 22 (benchmarks/omp_thread.py).
-    if not _serve(core, conn, log):
+    if not _serve(served, conn, log):
         sys.exit(1)
 
 
-def _serve(core, conn, log) -> bool:
+def _serve(served, conn, log) -> bool:
     """Run the engine loop until shutdown; False if it crashed."""
-    from shepherd.engine.core import run_loop
+    from shepherd.engine.core_loop import run_loop
     try:
-        run_loop(core, PipeRecv(conn), conn.send)
+        run_loop(served, PipeRecv(conn), conn.send)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("server went away; engine core exits")
     except BaseException as e:  # noqa: BLE001

@@ -12,7 +12,7 @@
     await engine.stop()                         # aborts what is left, stops the core
 
 Both share `EngineFront` (this module): it hands requests to the core, gets
-one CoreStep per engine step back (core.py), resolves admissions, turns token
+one CoreStep per engine step back (core_loop.py), resolves admissions, turns token
 ids into text with stop strings (output.py) and keeps the metrics. They differ
 only in how items reach the core's loop and steps come back: a deque under a
 Condition and loop.call_soon_threadsafe here; a pipe in core_client.py.
@@ -38,8 +38,9 @@ import uuid
 from typing import Any, Callable, Optional
 
 from shepherd.config import EngineConfig
-from shepherd.engine.core import (ABORT, ADD, FINISH, SHUTDOWN, WATCHDOG_EXIT_CODE, CoreInfo, CoreStep, EngineCore,
-                                  run_loop, start_watchdog, watchdog_exit)
+from shepherd.engine.build import build_served_core
+from shepherd.engine.core_loop import (ABORT, ADD, FINISH, SHUTDOWN, WATCHDOG_EXIT_CODE, CoreInfo, CoreStep, run_loop,
+                                       start_watchdog, watchdog_exit)
 from shepherd.engine.metrics import EngineMetrics
 from shepherd.engine.output import EngineOutput, OutputProcessor, RequestStream, answer_admission
 from shepherd.request import Request, SamplingParams
@@ -172,8 +173,9 @@ class Engine(EngineFront):
 
     def __init__(self, cfg: EngineConfig, executor: Any = None, tokenizer: Any = None,
                  on_watchdog: Optional[Callable[[float], None]] = None):
-        self.core = EngineCore(cfg, executor, tokenizer)
-        self._init_front(cfg, self.core.info, self.core.tokenizer, copy.copy(self.core.scheduler.stats()))
+        self.served = build_served_core(cfg, executor, tokenizer)
+        self.core = self.served.core
+        self._init_front(cfg, self.served.info, self.served.tokenizer, copy.copy(self.core.scheduler.stats()))
         self._on_watchdog = on_watchdog or watchdog_exit(cfg.watchdog_timeout)
         self._cv = threading.Condition()
         self._intake: collections.deque = collections.deque()
@@ -242,7 +244,7 @@ class Engine(EngineFront):
 
     def _run(self) -> None:
         try:
-            run_loop(self.core, self._recv, lambda step: self._deliver(self._on_step, step))
+            run_loop(self.served, self._recv, lambda step: self._deliver(self._on_step, step))
         except BaseException as e:  # noqa: BLE001 - the engine must not hang its clients
             logger.exception("engine thread crashed")
             message = f"engine crashed: {type(e).__name__}: {e}"

@@ -1,11 +1,11 @@
-"""A tiny synchronous driver: schedule -> execute -> on_step until done.
+"""A tiny synchronous driver: EngineCore.step on a virtual clock until done.
 
     done = run_offline(scheduler, executor, requests, clock=0.0)
     done["r1"].output_ids, done["r1"].finish_reason, ...
 
 Requests enter when the clock passes their `arrival` (sorted by arrival; the
 clock jumps to the next arrival when nothing runs). `now` advances by the
-step_time the executor reports. A request the scheduler rejects
+step_time the executor reports (core.py's VirtualClock). A request the scheduler rejects
 (RequestRejected) comes back FINISHED with FinishReason.ERROR and the reason in
 `error`; one refused with QueueFull is retried at the next step (or, with
 `reject_on_full=True`, ends like a rejected one).
@@ -20,16 +20,18 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from shepherd.step import StepResult
+from shepherd.engine.core import EngineCore, VirtualClock
 from shepherd.request import FinishReason, Request, RequestState
-from shepherd.scheduler.scheduler import QueueFull, RequestRejected
+from shepherd.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
+from shepherd.step import Executor
 
 
-def run_offline(scheduler, executor, requests: Iterable[Request], clock: float = 0.0, *,
+def run_offline(scheduler: Scheduler, executor: Executor, requests: Iterable[Request], clock: float = 0.0, *,
                 aborts: Optional[dict[str, float]] = None,
                 observer: Optional[Callable] = None,
                 max_steps: int = 10_000_000,
                 reject_on_full: bool = False) -> dict[str, Request]:
+    core = EngineCore(scheduler, executor, VirtualClock())
     reqs = sorted(requests, key=lambda r: r.arrival)
     out: dict[str, Request] = {r.req_id: r for r in reqs}
     if len(out) != len(reqs):
@@ -68,14 +70,8 @@ def run_offline(scheduler, executor, requests: Iterable[Request], clock: float =
             if pending:
                 raise RuntimeError("requests refused with QueueFull while the scheduler is idle")
             break
-        batch = scheduler.schedule(now)
-        t0 = now
-        if batch.empty:
-            res = StepResult()
-        else:
-            res = executor.execute(batch)
-            now += res.step_time
-        outs = scheduler.on_step(batch, res, now)
+        step = core.step(now)
+        t0, now, batch, outs = now, step.end, step.batch, step.outputs
         for o in outs:
             if o.finished:
                 assert o.req_id not in ended, f"{o.req_id} ended twice"

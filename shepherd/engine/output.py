@@ -173,7 +173,7 @@ class OutputProcessor:
 
     def on_outputs(self, outs, now: float) -> list[str]:
         """Core outputs -> stream deltas; returns the ids that a stop string finished here."""
-        from shepherd.engine.core import CoreOutput
+        from shepherd.engine.core_loop import CoreOutput
         finish: list[str] = []
         for t in outs:
             o = CoreOutput._make(t)

@@ -5,19 +5,19 @@
     result = ex.execute(batch)          # StepResult(tokens=..., step_time=...)
 
 Output length (the "target"): a request stops with EOS after exactly
-`target` output tokens, where target comes from, in order,
-  1. the `output_lens` dict given at construction (req_id -> tokens), or
-     `ex.set_output_len(req_id, n)` later;
-  2. an attribute `sim_output_len` on the Request (`req.sim_output_len = n`,
-     what the simulator sets from a trace's output length);
-  3. otherwise none: the executor never emits EOS and the request runs to
-     params.max_tokens (FinishReason.LENGTH).
-With params.ignore_eos the executor never emits EOS either. A token is never
-EOS (or one of params.stop_token_ids) except that last one.
+`target` output tokens, where target comes from the `output_lens` dict given
+at construction (req_id -> tokens), or `ex.set_output_len(req_id, n)` later;
+without one the executor never emits EOS and the request runs to
+params.max_tokens (FinishReason.LENGTH). With params.ignore_eos the executor
+never emits EOS either. A token is never EOS (or one of
+params.stop_token_ids) except that last one.
 
 Tokens are a deterministic function of the previous token and the position
 (so two requests with the same prompt generate the same text, like a greedy
 model, and a preempted or chunked request regenerates the same tokens).
+
+Like any executor it keeps its own record of each request (SimSeq), built
+from the step contract's NewRequest and the tokens each step feeds.
 
 Step time: `step_time(batch) -> seconds`, pluggable (the simulator passes
 sim/cost_model.py's); the default is affine:
@@ -26,15 +26,15 @@ plus, always, swap ops at `swap_time_per_token` per token moved.
 
 check=True turns the executor into a referee for tests: it keeps a shadow KV
 pool (token id, position) per slot and asserts that every position a sequence
-attends over holds the right token, that no two sequences write one slot in a
-step, that swap-in restores exactly what swap-out saved, and that slots are in
-range.
+attends over holds the right token, that the tokens fed are the prompt and the
+tokens it sampled, that no two sequences write one slot in a step, that
+swap-in restores exactly what swap-out saved, and that slots are in range.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from shepherd.step import ScheduledBatch, StepResult
+from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult
 
 
 def affine_step_time(base: float = 0.005, per_token: float = 5e-5, per_ctx: float = 5e-8,
@@ -50,6 +50,21 @@ def affine_step_time(base: float = 0.005, per_token: float = 5e-5, per_ctx: floa
             ctx += s.start_pos + n
         return base + per_token * toks + per_ctx * ctx + per_seq * len(batch.seqs)
     return f
+
+
+class SimSeq:
+    """The simulated executor's record of one request; `ids` (prompt + tokens sampled) and
+    `slots` (its slot table) only in check mode."""
+    __slots__ = ("req_id", "prompt_len", "prompt_last", "stop_token_ids", "ignore_eos", "ids", "slots")
+
+    def __init__(self, new: NewRequest, check: bool):
+        self.req_id = new.req_id
+        self.prompt_len = len(new.prompt_ids)
+        self.prompt_last = new.prompt_ids[-1]
+        self.stop_token_ids = new.params.stop_token_ids
+        self.ignore_eos = new.params.ignore_eos
+        self.ids: list[int] = list(new.prompt_ids) if check else []
+        self.slots: list[int] = []
 
 
 class SimExecutor:
@@ -72,6 +87,7 @@ class SimExecutor:
         self.swap_time_per_token = swap_time_per_token
         self.vocab_size = vocab_size
         self.check = check
+        self.seqs: dict[str, SimSeq] = {}
         # counters
         self.steps = 0
         self.tokens_computed = 0
@@ -88,48 +104,31 @@ class SimExecutor:
     def set_output_len(self, req_id: str, n: int) -> None:
         self.output_lens[req_id] = n
 
-    def target_len(self, req) -> Optional[int]:
-        if req.params.ignore_eos:
-            return None
-        t = self.output_lens.get(req.req_id)
-        if t is None:
-            t = getattr(req, "sim_output_len", None)
-        return t
+    def target_len(self, st: SimSeq) -> Optional[int]:
+        return None if st.ignore_eos else self.output_lens.get(st.req_id)
 
-    def next_token(self, req) -> int:
-        """The token the request samples next (deterministic; never EOS/stop unless its target is reached)."""
-        idx = len(req.output_ids)
-        t = self.target_len(req)
-        if t is not None and idx + 1 >= t:
+    def next_token(self, st: SimSeq, n_out: int, prev: int) -> int:
+        """The token sampled after n_out output tokens, the last known token being `prev`
+        (deterministic; never EOS or a stop id unless the target is reached)."""
+        t = self.target_len(st)
+        if t is not None and n_out + 1 >= t:
             return self.eos_token_id
-        prev = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
-        pos = len(req.prompt_ids) + idx
+        pos = st.prompt_len + n_out
         tok = 3 + (prev * 1000003 + pos * 7919 + 12345) % (self.vocab_size - 3)
-        bad = req.params.stop_token_ids
+        bad = st.stop_token_ids
         eos = self.eos_token_ids
         while tok in eos or tok == self.eos_token_id or (bad and tok in bad):
             tok = 3 + (tok - 3 + 1) % (self.vocab_size - 3)
         return tok
 
-    def tokens_ahead(self, req, k: int) -> Optional[list[int]]:
-        """The next k tokens the request would sample, or None if one of them
-        would stop it (EOS/stop id) -- for Scheduler.fast_forward."""
-        out = []
-        ids = req.output_ids
-        saved = list(ids)
-        try:
-            for _ in range(k):
-                t = self.next_token(req)
-                if (t in self.eos_token_ids or t == self.eos_token_id) and not req.params.ignore_eos:
-                    return None
-                out.append(t)
-                ids.append(t)
-        finally:
-            del ids[len(saved):]
-        return out
-
     def execute(self, batch: ScheduledBatch) -> StepResult:
         self.steps += 1
+        seqs = self.seqs
+        for rid in batch.finished:       # first: their host copies make room for this step's swaps
+            seqs.pop(rid, None)
+            self._host.pop(rid, None)
+        for new in batch.new:
+            seqs[new.req_id] = SimSeq(new, self.check)
         moved = 0
         for op in batch.swap_out:
             moved += len(op.slots)
@@ -145,7 +144,7 @@ class SimExecutor:
                 assert len(saved) == len(op.slots), (op.req_id, len(saved), len(op.slots))
                 for s, v in zip(op.slots, saved):
                     self._kv[s] = v
-        tokens: dict[str, int] = {}
+        tokens: dict[str, list[int]] = {}
         if self.check:
             self._referee(batch)
         for s in batch.seqs:
@@ -157,10 +156,11 @@ class SimExecutor:
             else:
                 self.decode_tokens += n
             if s.sample:
-                tokens[s.req_id] = self.next_token(s.req)
-        for rid in batch.released:
-            if rid not in {op.req_id for op in batch.swap_out}:
-                self._host.pop(rid, None)
+                st = seqs[s.req_id]
+                tok = self.next_token(st, s.start_pos + n - st.prompt_len, s.token_ids[-1])
+                tokens[s.req_id] = [tok]
+                if self.check:
+                    st.ids.append(tok)
         t = self.step_time(batch) + moved * self.swap_time_per_token
         self.busy_time += t
         return StepResult(tokens=tokens, step_time=t)
@@ -168,21 +168,28 @@ class SimExecutor:
     def _referee(self, batch: ScheduledBatch) -> None:
         written: dict[int, str] = {}
         for s in batch.seqs:
-            req = s.req
-            ids = req.all_ids
-            end = s.start_pos + len(s.token_ids)
-            assert end <= len(req.slots), f"{req.req_id}: positions up to {end} but {len(req.slots)} slots"
-            assert s.token_ids == ids[s.start_pos:end], f"{req.req_id}: wrong token ids"
-            assert s.sample == (end == len(ids)), f"{req.req_id}: sample flag"
-            for i in range(s.start_pos):
-                got = self._kv.get(req.slots[i])
-                assert got == (ids[i], i), (
-                    f"{req.req_id}: position {i} slot {req.slots[i]} holds {got}, expected {(ids[i], i)}")
-            for i in range(s.start_pos, end):
-                slot = req.slots[i]
-                assert 0 <= slot < self.kv_capacity, f"slot {slot} out of range"
-                assert slot not in written, f"slot {slot} written by {written[slot]} and {req.req_id}"
-                written[slot] = req.req_id
+            st = self.seqs.get(s.req_id)
+            assert st is not None, f"{s.req_id}: scheduled but never announced"
+            assert s.slots_from <= len(st.slots), f"{s.req_id}: slots from {s.slots_from} of {len(st.slots)}"
+            st.slots[s.slots_from:] = s.new_slots
+            self._check_seq(s, st, written)
         for s in batch.seqs:
+            st = self.seqs[s.req_id]
             for i in range(s.start_pos, s.start_pos + len(s.token_ids)):
-                self._kv[s.req.slots[i]] = (s.token_ids[i - s.start_pos], i)
+                self._kv[st.slots[i]] = (s.token_ids[i - s.start_pos], i)
+
+    def _check_seq(self, s: ScheduledSeq, st: SimSeq, written: dict[int, str]) -> None:
+        ids, slots = st.ids, st.slots
+        end = s.start_pos + len(s.token_ids)
+        assert end <= len(slots), f"{s.req_id}: positions up to {end} but {len(slots)} slots"
+        assert s.token_ids == ids[s.start_pos:end], f"{s.req_id}: wrong token ids"
+        assert s.sample == (end == len(ids)), f"{s.req_id}: sample flag"
+        for i in range(s.start_pos):
+            got = self._kv.get(slots[i])
+            assert got == (ids[i], i), (
+                f"{s.req_id}: position {i} slot {slots[i]} holds {got}, expected {(ids[i], i)}")
+        for i in range(s.start_pos, end):
+            slot = slots[i]
+            assert 0 <= slot < self.kv_capacity, f"slot {slot} out of range"
+            assert slot not in written, f"slot {slot} written by {written[slot]} and {s.req_id}"
+            written[slot] = s.req_id

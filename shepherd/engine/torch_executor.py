@@ -2,7 +2,9 @@
 
 It owns the KV pool (K and V, each [layers, capacity, kv_heads, head_dim],
 addressed by slot), a bounded host pool for swapped-out requests, the model
-and the sampler. `execute(batch)` applies swaps, forgets released requests,
+and the sampler, and its own record of every request it runs (its slot table
+and the sampler's state), kept from the step contract's changes.
+`execute(batch)` forgets finished requests, takes new ones, applies swaps,
 runs ONE forward over the ragged batch and samples.
 """
 from __future__ import annotations
@@ -14,14 +16,13 @@ from typing import Optional
 
 import torch
 
-from shepherd.config import ConfigError, EngineConfig
+from shepherd.config import ConfigError, EngineConfig, host_pool_tokens
 from shepherd.model.llama import AttnGroup, LlamaModel, StepInput
 from shepherd.model.loader import LoadedModel, load_model, model_name_for
 from shepherd.model.grammar import GrammarMasks
-from shepherd.model.sampler import Sampler
-from shepherd.request import Request
+from shepherd.model.sampler import Sampler, SamplingState
 from shepherd.scheduler.kv_pool import pages_for
-from shepherd.step import ScheduledBatch, ScheduledSeq, StepResult
+from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult
 
 log = logging.getLogger("shepherd")
 
@@ -102,19 +103,27 @@ def _round_up(x: int, m: int) -> int:
 
 
 class _ReqState:
-    """Per-request cache: the request and its slot ids as a tensor."""
-    __slots__ = ("req", "slots_t", "n_slots")
+    """What the executor keeps of one request: the sampler's record, its slot table (position
+    -> KV slot) and that table as a tensor, copied up to n_slots."""
+    __slots__ = ("seq", "slots", "slots_t", "n_slots")
 
-    def __init__(self, req: Request):
-        self.req = req
+    def __init__(self, seq: SamplingState):
+        self.seq = seq
+        self.slots: list[int] = []
         self.slots_t = torch.empty(0, dtype=torch.long)
         self.n_slots = 0
 
-    def sync(self, need: int, fresh: bool) -> torch.Tensor:
-        """Make slots_t[:need] equal req.slots[:need]; returns that view."""
-        slots = self.req.slots
-        if fresh or self.n_slots > len(slots):
-            self.n_slots = 0
+    def take(self, s: ScheduledSeq) -> None:
+        """The step's changes: slot table from s.slots_from on, and the tokens fed."""
+        if s.new_slots or s.slots_from < len(self.slots):
+            if s.slots_from < self.n_slots:
+                self.n_slots = s.slots_from
+            self.slots[s.slots_from:] = s.new_slots
+        self.seq.feed(s.start_pos, s.token_ids)
+
+    def sync(self, need: int) -> torch.Tensor:
+        """Make slots_t[:need] equal slots[:need]; returns that view."""
+        slots = self.slots
         if need > self.n_slots:
             if self.slots_t.numel() < need:
                 cap = max(need, 2 * self.slots_t.numel(), 64)
@@ -173,12 +182,7 @@ class TorchExecutor:
         self.v_pool = self.kv_pool[:, KVH:]
         self.scratch_slot = cap
         self.max_model_len = min(mcfg.max_position_embeddings, cap)
-        if cfg.host_kv_tokens:
-            self.host_kv_capacity = int(cfg.host_kv_tokens)
-        elif cfg.scheduler.preemption == "swap":
-            self.host_kv_capacity = cap
-        else:
-            self.host_kv_capacity = 0
+        self.host_kv_capacity = host_pool_tokens(cfg.host_kv_tokens, cap, cfg.scheduler.preemption)
         self.host_used = 0
         self.host: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -227,18 +231,24 @@ class TorchExecutor:
     # ------------------------------------------------------------------ protocol
     def execute(self, batch: ScheduledBatch) -> StepResult:
         t0 = time.perf_counter()
+        for rid in batch.finished:       # first: their host copies make room for this step's swaps
+            self._forget(rid)
+        for new in batch.new:
+            self.add(new)
         for op in batch.swap_out:
             self._swap_out(op.req_id, op.slots)
         for op in batch.swap_in:
             self._swap_in(op.req_id, op.slots)
-        for rid in batch.released:
-            self._release(rid)
         res = StepResult()
         if batch.seqs:
             with torch.inference_mode():
                 self._run(batch.seqs, res)
         res.step_time = time.perf_counter() - t0
         return res
+
+    def add(self, new: NewRequest) -> None:
+        """A request seen for the first time (execute does this for batch.new)."""
+        self.reqs[new.req_id] = _ReqState(self.sampler.add(new))
 
     # ------------------------------------------------------------------ host pool
     def _swap_out(self, req_id: str, slots: list[int]) -> None:
@@ -262,42 +272,36 @@ class TorchExecutor:
         self.k_pool.index_copy_(2, idx, k.to(self.device))
         self.v_pool.index_copy_(2, idx, v.to(self.device))
         self._drop_host(req_id)
-        st = self.reqs.get(req_id)
-        if st is not None:
-            st.n_slots = 0
 
     def _drop_host(self, req_id: str) -> None:
         k, _ = self.host.pop(req_id)
         self.host_used -= k.shape[2]
 
-    def _release(self, req_id: str) -> None:
-        st = self.reqs.pop(req_id, None)
-        finished = st is None or st.req.finished
-        if finished:
-            self.sampler.forget(req_id)
-            if req_id in self.host:
-                self._drop_host(req_id)
+    def _forget(self, req_id: str) -> None:
+        self.reqs.pop(req_id, None)
+        self.sampler.forget(req_id)
+        if req_id in self.host:
+            self._drop_host(req_id)
 
     # ------------------------------------------------------------------ forward
-    def _state(self, seq: ScheduledSeq) -> _ReqState:
-        st = self.reqs.get(seq.req.req_id)
-        if st is None or st.req is not seq.req:
-            st = _ReqState(seq.req)
-            self.reqs[seq.req.req_id] = st
-        return st
-
     def _rows(self, seqs: list[ScheduledSeq]):
-        """(seq, tokens, context after this step, its slots) for each seq with tokens to feed."""
+        """(seq, its state, tokens, context after this step, its slots as a tensor) for each seq
+        with tokens to feed, after taking the seq's changes into the state."""
+        reqs = self.reqs
         for s in seqs:
+            st = reqs.get(s.req_id)
+            if st is None:
+                raise ExecutorError(f"{s.req_id}: scheduled but never announced as a new request")
+            st.take(s)
             n = len(s.token_ids)
             if n == 0:
                 continue
             ctx = s.start_pos + n
             if ctx > self.max_model_len:
                 raise ExecutorError(f"{s.req_id}: context {ctx} exceeds max_model_len {self.max_model_len}")
-            yield s, n, ctx, self._state(s).sync(ctx, s.fresh)
+            yield s, st, n, ctx, st.sync(ctx)
 
-    def build_input_fused(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
+    def build_input_fused(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[_ReqState]]:
         """Input of the fused path: per row its slot, and where its keys are in slot_tab. Per-row
         values are gathered as Python ints and become one tensor each: a row costs no torch call of
         its own (64 decode rows, timed alone: 450 us of small tensor ops before, 146 us now)."""
@@ -308,12 +312,12 @@ class TorchExecutor:
         rctx: list[int] = []
         tab_parts = []
         logits_rows: list[int] = []
-        sampled: list[ScheduledSeq] = []
+        sampled: list[_ReqState] = []
         row = tab = max_ctx = 0
-        for s, n, ctx, sl in self._rows(seqs):
+        for s, st, n, ctx, sl in self._rows(seqs):
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, ctx))
-            write.extend(s.req.slots[s.start_pos: ctx])
+            write.extend(st.slots[s.start_pos: ctx])
             off.extend([tab] * n)
             rctx.extend(range(s.start_pos + 1, ctx + 1))
             tab_parts.append(sl)
@@ -321,7 +325,7 @@ class TorchExecutor:
             max_ctx = max(max_ctx, ctx)
             if s.sample:
                 logits_rows.append(row + n - 1)
-                sampled.append(s)
+                sampled.append(st)
             row += n
         pad = self.model.min_rows - row if (self.model.batch_invariant and row < self.model.min_rows) else 0
         if pad:  # padding rows: token 0 at position 0 in the scratch slot, attending to itself
@@ -341,25 +345,25 @@ class TorchExecutor:
                         row_off=long(off), row_ctx=long(rctx), max_ctx=max_ctx)
         return inp, sampled
 
-    def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
+    def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[_ReqState]]:
         if self.model.kernels is not None:
             return self.build_input_fused(seqs)
         return self.build_input_torch(seqs)
 
-    def build_input_torch(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[ScheduledSeq]]:
+    def build_input_torch(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[_ReqState]]:
         """Input of the pure-torch path: attention groups with gather indices and masks."""
         inv = self.model.batch_invariant
         ids: list[int] = []
         pos_parts = []
         write_parts = []
         logits_rows: list[int] = []
-        sampled: list[ScheduledSeq] = []
+        sampled: list[_ReqState] = []
         dec_rows: list[int] = []
         dec_slots: list[torch.Tensor] = []
         dec_ctx: list[int] = []
         prefills = []
         row = 0
-        for s, n, ctx, sl in self._rows(seqs):
+        for s, st, n, ctx, sl in self._rows(seqs):
             ids.extend(s.token_ids)
             pos_parts.append(self._arange[s.start_pos: ctx])
             write_parts.append(sl[s.start_pos: ctx])
@@ -371,7 +375,7 @@ class TorchExecutor:
                 prefills.append((row, n, s.start_pos, sl))
             if s.sample:
                 logits_rows.append(row + n - 1)
-                sampled.append(s)
+                sampled.append(st)
             row += n
         T = row
         pad = self.model.min_rows - T if (inv and T < self.model.min_rows) else 0
@@ -434,7 +438,7 @@ class TorchExecutor:
                                     mask=mask, B=1, q_len=n, Lp=Lp, nb=nb))
         return groups
 
-    def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[_ReqState]]:
         """Run the forward; returns logits [S, V] (float32) for the seqs that sample."""
         inp, sampled = self.build_input(seqs)
         if self.device.type != "cpu":
@@ -446,15 +450,15 @@ class TorchExecutor:
         logits, sampled = self.forward_logits(seqs)
         if not sampled:
             return
-        reqs = [s.req for s in sampled]
-        tokens, lps = self.sampler.sample(logits, reqs)
+        states = [st.seq for st in sampled]
+        tokens, lps = self.sampler.sample(logits, states)
         grammar = self.sampler.grammar
         if grammar is not None and grammar.failed:
             res.errors.update(grammar.failed)     # the scheduler ends these with the error
             grammar.failed.clear()
-        for s, t, lp in zip(sampled, tokens, lps):
-            if s.req_id in res.errors:
+        for seq, t, lp in zip(states, tokens, lps):
+            if seq.req_id in res.errors:
                 continue
-            res.tokens[s.req_id] = t
+            res.tokens[seq.req_id] = [t]
             if lp is not None:
-                res.logprobs[s.req_id] = lp
+                res.logprobs[seq.req_id] = [lp]

@@ -24,7 +24,7 @@ def apply_constraints(logits: torch.Tensor, reqs: Sequence, grammar: Optional[ob
                 logits[i, ids] += torch.tensor([float(p.logit_bias[t]) for t in ids], dtype=logits.dtype,
                                             device=logits.device)
         if p.min_tokens and len(r.output_ids) < p.min_tokens:
-            ids = [t for t in r.stop_id_set() if 0 <= t < V]
+            ids = [t for t in r.stop_ids if 0 <= t < V]
             if ids:
                 logits[i, ids] = float("-inf")
     if grammar is not None:

@@ -82,7 +82,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: Optional[int] = None, cache_size: int = 256):
         import xgrammar as xgr
-        self._xgr = xgr
+        self.xgr = xgr
         self.vocab_size = int(vocab_size or tokenizer.vocab_size)
         info = xgr.TokenizerInfo(_encoded_vocab(tokenizer, self.vocab_size),
                                  vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=self.vocab_size,
@@ -161,7 +161,7 @@ class GrammarMasks:
         rid, out = req.req_id, req.output_ids
         m = self._matchers.get(rid)
         if m is None or self._fed.get(rid, 0) > len(out):   # new, or its tokens were rolled back
-            m = self.compiler._xgr.GrammarMatcher(self.compiler.compile(req.params.grammar))
+            m = self.compiler.xgr.GrammarMatcher(self.compiler.compile(req.params.grammar))
             self._matchers[rid], self._fed[rid] = m, 0
         for tid in out[self._fed[rid]:]:
             if not m.is_terminated():
@@ -176,7 +176,7 @@ class GrammarMasks:
         S, V = logits.shape
         if self.compiler is None:
             self.compiler = GrammarCompiler(self.tokenizer, vocab_size=V)
-        xgr = self.compiler._xgr
+        xgr = self.compiler.xgr
         bitmask = xgr.allocate_token_bitmask(S, V)
         live, done = [], []
         for i in rows:

@@ -8,6 +8,10 @@ min-p -> sample. Logprobs are those of the model's raw distribution
 Seeded requests draw from their own torch.Generator (keyed by req_id, seeded
 from params.seed), so their samples do not depend on what else is in the
 batch; unseeded requests share one global generator.
+
+The sampler keeps its own record of each request (SamplingState: parameters,
+prompt, the tokens so far), built from the step contract's NewRequest and
+the tokens each step feeds; it never reads the scheduler's Request.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ import torch
 
 from shepherd.model.constraints import apply_constraints, constrained
 from shepherd.model.kernels import argmax_rows
-from shepherd.request import Request, SamplingParams, TokenLogprob
+from shepherd.request import SamplingParams, TokenLogprob, stop_ids
+from shepherd.step import NewRequest
 
 _NEG_INF = float("-inf")
 
@@ -64,6 +69,29 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     return logits
 
 
+class SamplingState:
+    """The sampler's record of one request: what it was asked for and the tokens so far."""
+    __slots__ = ("req_id", "prompt_ids", "params", "eos_token_ids", "stop_ids", "output_ids")
+
+    def __init__(self, new: NewRequest):
+        self.req_id = new.req_id
+        self.prompt_ids = new.prompt_ids
+        self.params = new.params
+        self.eos_token_ids = new.eos_token_ids
+        self.stop_ids = stop_ids(new.params, new.eos_token_ids)    # min_tokens masks these
+        self.output_ids: list[int] = []
+
+    def feed(self, start_pos: int, token_ids: list[int]) -> None:
+        """The request's tokens at positions start_pos..: those past the prompt are its output
+        (a decode feeds the token sampled last step; a recompute feeds known ones again)."""
+        i = start_pos - len(self.prompt_ids)
+        if i == len(self.output_ids) and len(token_ids) == 1:
+            self.output_ids.append(token_ids[0])      # the plain decode, every step
+        elif i + len(token_ids) > 0:
+            skip = max(0, -i)
+            self.output_ids[i + skip: i + len(token_ids)] = token_ids[skip:]
+
+
 class Sampler:
     def __init__(self, seed: Optional[int] = None):
         self.global_gen = torch.Generator()
@@ -72,14 +100,20 @@ class Sampler:
         else:
             self.global_gen.seed()
         self.generators: dict[str, torch.Generator] = {}
+        self.states: dict[str, SamplingState] = {}
         self.grammar = None   # a GrammarMasks (model/grammar.py), set by the executor that has the tokenizer
 
+    def add(self, new: NewRequest) -> SamplingState:
+        st = self.states[new.req_id] = SamplingState(new)
+        return st
+
     def forget(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
         self.generators.pop(req_id, None)
         if self.grammar is not None:
             self.grammar.forget(req_id)
 
-    def generator_for(self, req: Request) -> torch.Generator:
+    def generator_for(self, req: SamplingState) -> torch.Generator:
         if req.params.seed is None:
             return self.global_gen
         g = self.generators.get(req.req_id)
@@ -89,7 +123,8 @@ class Sampler:
             self.generators[req.req_id] = g
         return g
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+    def sample(self, logits: torch.Tensor, reqs: Sequence[SamplingState]
+               ) -> tuple[list[int], list[Optional[TokenLogprob]]]:
         """logits: [S, V] float32, one row per request in `reqs`. Returns the sampled
         token per row and, for requests with params.logprobs set, a TokenLogprob."""
         S = logits.shape[0]

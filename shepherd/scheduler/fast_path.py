@@ -20,9 +20,9 @@
         their last token), and one RequestOutput per request carrying its k
         tokens. Raises ValueError if k exceeds the horizon or a token before
         the last would stop a request (then step normally). Requests that ended
-        before (released) reach the executor with the next schedule()'s batch,
-        as they would have with the first of the k steps: the fast path
-        executes nothing in between.
+        before reach the executor (batch.finished) with the next batch that
+        runs, as they would have with the first of the k steps: the fast path
+        executes nothing in between; so do the k steps' new slots.
 
 Nothing here mirrors schedule(): the admission check after t decode steps is
 the scheduler's own _admission_state(ahead=t), the examined candidates its own
@@ -79,7 +79,7 @@ def _horizon(s: "Scheduler", finishing: bool) -> int:
         r = e.req
         nc = r.num_computed
         nout = len(r.output_ids)
-        if nc != len(r.prompt_ids) + nout - 1 or e.fresh or nout == e.out_at_admit:
+        if nc != len(r.prompt_ids) + nout - 1 or not e.synced or nout == e.out_at_admit:
             return 0      # prefill pending, new slots, or the first token (caches the prompt) not out yet
         if len(r.slots) != nc:
             d_any = True

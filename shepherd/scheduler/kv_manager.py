@@ -200,7 +200,7 @@ class KVManager:
         prefix cache right away (not only when the request ends), so that requests
         arriving meanwhile with the same prefix hit it. Where the tree already held
         some of these tokens, the request switches to the tree's slots and frees its
-        duplicates (the executor is told with fresh=True)."""
+        duplicates (the executor is sent the whole slot table again)."""
         req = e.req
         n = req.num_computed
         n -= n % self.page_size
@@ -215,7 +215,7 @@ class KVManager:
             assert len(slots) == n
             self.pool.free(self.pool.pages_of(req.slots, e.cached_len, existing))
             req.slots[e.cached_len:existing] = slots[e.cached_len:existing]
-            e.fresh = True
+            e.synced = 0
         tree.inc_lock_ref(node)
         if e.node is not None:
             tree.dec_lock_ref(e.node)

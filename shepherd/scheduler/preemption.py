@@ -61,7 +61,6 @@ def preempt(s: "Scheduler", e: Entry, batch: ScheduledBatch, why: str) -> None:
         req.state = RequestState.WAITING
         s._waiting.appendleft(e)
         s.policy.on_add(e, s._waiting)
-        s._released.append(req.req_id)
     req.preemptions += 1
     st = s._stats
     st.preemptions += 1

@@ -6,7 +6,7 @@ The engine, the simulator and the tests use exactly this:
     sched = Scheduler(SchedulerConfig(...), host_kv_capacity=0, max_model_len=8192)
     sched.add(req, now)            # raises QueueFull (-> HTTP 429) or RequestRejected (-> HTTP 400)
     out = sched.abort(req_id, now) # terminal RequestOutput (ABORT), or None if unknown; KV freed at once,
-                                   # the executor is told via the next batch.released
+                                   # the executor is told via the next batch.finished
     out = sched.finish(req_id, reason, now)  # the engine found a stop string: terminal output, KV freed
     batch = sched.schedule(now)    # -> ScheduledBatch (may be empty)
     outs = sched.on_step(batch, result, now)  # one RequestOutput per request that got a token or ended
@@ -42,14 +42,14 @@ from shepherd.scheduler.kv_manager import KVManager
 from shepherd.scheduler.kv_pool import pages_for
 from shepherd.scheduler.policy import make_policy
 from shepherd.scheduler.state import Entry, QueueFull, RequestRejected, SchedulerSnapshot, SchedulerStats
-from shepherd.step import ScheduledBatch, ScheduledSeq, StepResult, SwapOp
+from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult, SwapOp
 
 __all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerSnapshot", "SchedulerStats"]
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, host_kv_capacity: int = 0, max_model_len: int = 8192):
-        self.cfg = config.validate()
+        self.cfg = config      # validated by whoever sized it (engine/build.py, the simulator)
         self.capacity = config.max_total_tokens
         self.page_size = config.page_size
         self.max_model_len = max_model_len
@@ -65,7 +65,7 @@ class Scheduler:
         self._waiting: deque[Entry] = deque()
         self._running: list[Entry] = []
         self._swapped: deque[Entry] = deque()
-        self._released: list[str] = []
+        self._finished: list[str] = []      # ended since the last batch that ran: batch.finished
         self._seq = 0
         self._admit_seq = 0
         self._step = 0
@@ -77,6 +77,7 @@ class Scheduler:
         self._ratio_delta = ((config.new_token_ratio_init - config.new_token_ratio_min)
                              / max(1, config.new_token_ratio_decay_steps))
         self._deferred_outputs: list[RequestOutput] = []   # terminal outputs made inside schedule()
+        self._continues_window = False     # the last schedule() continued a multi-step window
         self._pending_swap_in: list[SwapOp] = []
 
     # ------------------------------------------------------------------ views
@@ -174,7 +175,7 @@ class Scheduler:
         req.finished_at = now
         req.error = error
         del self._entries[req.req_id]
-        self._released.append(req.req_id)
+        self._finished.append(req.req_id)
         s = self._stats
         if reason is FinishReason.ABORT:
             s.aborted += 1
@@ -227,7 +228,7 @@ class Scheduler:
             self.policy.on_admit(e, not e.admitted_once)
         (adm.add_pinned if not resume_swap and pin else adm.add)(own, b, locked)
         req = e.req
-        e.fresh = True
+        e.synced = 0
         req.state = RequestState.RUNNING
         if req.admitted_at is None:
             req.admitted_at = now
@@ -312,8 +313,12 @@ class Scheduler:
         if chunk <= 0:
             return 0
         ids = req.prompt_ids[nc:nc + chunk] if nc + chunk <= len(req.prompt_ids) else req.all_ids[nc:nc + chunk]
-        batch.seqs.append(ScheduledSeq(req, ids, nc, sample=(nc + chunk == total), fresh=e.fresh))
-        e.fresh = False
+        if not e.announced:
+            batch.new.append(NewRequest(req.req_id, req.prompt_ids, req.params, req.eos_token_ids))
+            e.announced = True
+        slots = req.slots
+        batch.seqs.append(ScheduledSeq(req.req_id, ids, nc, nc + chunk == total, e.synced, slots[e.synced:]))
+        e.synced = len(slots)
         s = self._stats
         s.last_prefill_seqs += 1
         s.last_prefill_tokens += chunk
@@ -322,6 +327,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> ScheduledBatch:
         cfg = self.cfg
+        self._continues_window = self.in_window
         self._step += 1
         self._stats.begin_step()
         batch = ScheduledBatch(step=self._step)
@@ -396,8 +402,9 @@ class Scheduler:
             nc = r.num_computed
             np_ = len(r.prompt_ids)
             tok = r.prompt_ids[nc] if nc < np_ else r.output_ids[nc - np_]
-            seqs.append(ScheduledSeq(r, [tok], nc, sample=True, fresh=e.fresh))
-            e.fresh = False
+            slots = r.slots
+            seqs.append(ScheduledSeq(r.req_id, [tok], nc, True, e.synced, slots[e.synced:]))
+            e.synced = len(slots)
         self._stats.last_decode_seqs = len(dec)
         if dec:
             self._ratio_steps += 1
@@ -405,8 +412,9 @@ class Scheduler:
     def _finish_batch(self, batch: ScheduledBatch) -> ScheduledBatch:
         batch.swap_in = self._pending_swap_in
         self._pending_swap_in = []
-        batch.released = self._released
-        self._released = []
+        if not batch.empty:     # an empty batch is not run: the ids wait for one that is
+            batch.finished = self._finished
+            self._finished = []
         self._note_peak()
         return batch
 
@@ -435,37 +443,57 @@ class Scheduler:
         entries = self._entries
         RUNNING = RequestState.RUNNING
         for seq in batch.seqs:
-            req = seq.req
-            e = entries.get(req.req_id)
-            if e is None or e.req is not req or req.state is not RUNNING:
-                continue   # aborted or finished meanwhile
+            e = entries.get(seq.req_id)
+            if e is None or e.req.state is not RUNNING:
+                continue   # aborted, finished or preempted meanwhile
+            req = e.req
             req.num_computed = seq.start_pos + len(seq.token_ids)
             if not seq.sample:
                 continue
-            tok = tokens.get(req.req_id)
-            if tok is None:
+            toks = tokens.get(seq.req_id)
+            if not toks:
                 outs.append(self._end(e, FinishReason.ERROR, now,
-                                      error=result.errors.get(req.req_id, "executor returned no token")))
+                                      error=result.errors.get(seq.req_id, "executor returned no token")))
                 continue
             if self.kv.tree is not None and len(req.output_ids) == e.out_at_admit:
                 self.kv.cache_prefilled(e)
-            self._take_tokens(e, [tok], now)
-            lp = result.logprobs.get(req.req_id) if result.logprobs else None
-            lps = [lp] if lp is not None else []
-            reason = None
-            if tok in e.stop_ids:
-                reason = FinishReason.STOP
-            elif len(req.output_ids) >= e.limit:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                outs.append(self._end(e, reason, now, new_tokens=[tok], logprobs=lps))
-            else:
-                outs.append(RequestOutput(req.req_id, new_token_ids=[tok], logprobs=lps))
+            lps = result.logprobs.get(seq.req_id, []) if result.logprobs else []
+            outs.append(self._accept(e, toks, lps, now))
         return outs
+
+    def _accept(self, e: Entry, toks: list[int], lps: list, now: float) -> RequestOutput:
+        """A step's sampled tokens for e, in order: they end it at the first stop id or at its
+        length limit (tokens past that point are dropped)."""
+        req = e.req
+        stop = e.stop_ids
+        reason = None
+        if len(toks) == 1:     # one token per step (no speculation): the common case, kept short
+            if toks[0] in stop:
+                reason = FinishReason.STOP
+            elif len(req.output_ids) + 1 >= e.limit:
+                reason = FinishReason.LENGTH
+        else:
+            toks = toks[: max(0, e.limit - len(req.output_ids))]
+            cut = next((i for i, t in enumerate(toks) if t in stop), None)
+            if cut is not None:
+                toks, reason = toks[: cut + 1], FinishReason.STOP
+            elif len(req.output_ids) + len(toks) >= e.limit:
+                reason = FinishReason.LENGTH
+            lps = lps[: len(toks)]
+        self._take_tokens(e, toks, now)
+        if reason is not None:
+            return self._end(e, reason, now, new_tokens=toks, logprobs=lps)
+        return RequestOutput(req.req_id, new_token_ids=toks, logprobs=lps)
 
     @property
     def in_window(self) -> bool:   # see step_gate.in_window
         return step_gate.in_window(self.cfg, self._since_prefill, bool(self._running))
+
+    def window_cost(self, step_time: float, fixed_overhead: float) -> float:
+        """What the last scheduled step costs: vLLM v0.6 multi-step runs the scheduler and
+        prepares the inputs once per window (the fixed overhead, paid at its first step);
+        every token still goes through output processing, so the per-request term stays."""
+        return max(0.0, step_time - fixed_overhead) if self._continues_window else step_time
 
     # ------------------------------------------------------------------ fast path (simulator)
     def decode_horizon(self, now: float, finishing: bool = False) -> int:

@@ -76,7 +76,7 @@ class SchedulerSnapshot(NamedTuple):
 class Entry:
     """Scheduler-private bookkeeping for one request."""
     __slots__ = ("req", "seq", "enq_step", "admit_seq", "node", "cached_len", "limit", "final",
-                 "rand_key", "fresh", "host_tokens", "admitted_once", "stop_ids", "out_at_admit")
+                 "rand_key", "synced", "announced", "host_tokens", "admitted_once", "stop_ids", "out_at_admit")
 
     def __init__(self, req: Request, seq: int, step: int, limit: int, rand_key: float):
         self.req = req
@@ -88,7 +88,8 @@ class Entry:
         self.limit = limit                           # effective max output tokens
         self.final = len(req.prompt_ids) + limit - 1  # positions that may ever need KV
         self.rand_key = rand_key
-        self.fresh = False                           # slots rebuilt since the executor saw them
+        self.synced = 0                              # leading slots the executor holds (0: rebuilt)
+        self.announced = False                       # the executor has had its NewRequest
         self.host_tokens = 0                         # tokens held in the host (swap) pool
         self.admitted_once = False
         self.out_at_admit = 0

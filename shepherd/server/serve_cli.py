@@ -124,10 +124,8 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         if args.max_total_tokens < 1:
             raise ConfigError(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}")
         sched.max_total_tokens = args.max_total_tokens
-    elif args.page_size >= 1:
-        # capacity comes from the executor later (rounded down to whole pages by the engine)
-        sched.max_total_tokens = max(args.page_size, sched.max_total_tokens // args.page_size * args.page_size)
-    sched.validate()
+    # the scheduler's knobs are validated once, by the engine's builder (engine/build.py), against
+    # the KV capacity the executor builds
     eng = EngineConfig(model=args.model, dtype=args.dtype, executor=args.executor,
                        max_total_tokens=args.max_total_tokens, host_kv_tokens=args.host_kv_tokens,
                        batch_invariant=args.batch_invariant, num_threads=args.num_threads,

@@ -69,58 +69,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-args", default="", help="extra `shepherd serve` flags for --served (one string)")
 
 
-def collect_samples(executor, sched_factory: Callable, batch_sizes, prompt_lens, decode_steps: int,
+def collect_samples(executor, sched_cfg, batch_sizes, prompt_lens, decode_steps: int,
                     warmup: int = 3, repeats: int = 1, vocab_size: int = 32000, log=None,
                     host: Optional[list] = None):
-    """Run the grid through sched_factory() + executor; return [(BatchShape, seconds)].
-    `host`, when given, receives (requests in the batch, seconds of scheduler work:
-    schedule() + on_step()) per step: the engine's CPU overhead around the forward."""
+    """Run the grid through a fresh scheduler (sched_cfg) per point and the executor, stepped by
+    the engine's EngineCore on a virtual clock; return [(BatchShape, seconds)]. `host`, when
+    given, receives (requests in the batch, seconds of scheduler work: schedule() + on_step())
+    per step: the engine's CPU overhead around the forward."""
+    from shepherd.bench.traces import seeded_stream
+    from shepherd.engine.build import assemble
+    from shepherd.engine.core import VirtualClock
     from shepherd.request import Request, SamplingParams
     from shepherd.sim.cost_model import batch_shape
-    from shepherd.bench.traces import _stream, _seed_of
     samples = []
     n = 0
     n_steps = 0
     for rep in range(repeats):
         for P in prompt_lens:
             for B in batch_sizes:
-                sched = sched_factory()
+                core = assemble(sched_cfg, executor, VirtualClock())
                 for b in range(B):
                     n += 1
-                    ids = _stream(_seed_of(f"calib/{rep}/{P}/{B}/{b}"), 0, P, vocab_size)
-                    sched.add(Request(req_id=f"c{n}", prompt_ids=ids,
-                                      params=SamplingParams(max_tokens=decode_steps, temperature=0.0,
-                                                            ignore_eos=True)), 0.0)
-                step = 0
+                    ids = seeded_stream(f"calib/{rep}/{P}/{B}/{b}", P, vocab_size)
+                    core.scheduler.add(Request(req_id=f"c{n}", prompt_ids=ids,
+                                               params=SamplingParams(max_tokens=decode_steps, temperature=0.0,
+                                                                     ignore_eos=True)), 0.0)
+                steps = 0
                 clock = 0.0
-                while sched.has_work:
-                    h0 = time.perf_counter()
-                    batch = sched.schedule(clock)
-                    h1 = time.perf_counter()
-                    if batch.empty:
+                while core.scheduler.has_work:
+                    step = core.step(clock)
+                    if not step.ran:
                         break
-                    shape = batch_shape(batch)      # before on_step appends the sampled tokens
-                    t0 = time.perf_counter()
-                    res = executor.execute(batch)
-                    wall = time.perf_counter() - t0
-                    dt = res.step_time if res.step_time and res.step_time > 0 else wall
-                    clock += dt
-                    h2 = time.perf_counter()
-                    sched.on_step(batch, res, clock)
-                    h3 = time.perf_counter()
-                    if n_steps >= warmup and batch.seqs:    # warm-up: the first steps of the whole run
-                        samples.append((shape, dt))
+                    clock = step.end
+                    if n_steps >= warmup and step.batch.seqs:    # warm-up: the first steps of the whole run
+                        samples.append((batch_shape(step.batch), step.end - step.start))
                         if host is not None:
-                            host.append((len(batch.seqs), (h1 - h0) + (h3 - h2)))
-                    step += 1
+                            host.append((len(step.batch.seqs), step.scheduler_s))
+                    steps += 1
                     n_steps += 1
                 if log:
-                    log(f"  B={B:<3} P={P:<5} {step} steps")
+                    log(f"  B={B:<3} P={P:<5} {steps} steps")
     return samples
 
 
 def main(args) -> int:
-    from shepherd.config import EngineConfig, SchedulerConfig
+    from shepherd.config import EngineConfig, SchedulerConfig, whole_pages
     from shepherd.sim.cost_model import BatchShape
     from shepherd.sim.fitted_cost import fit_cost_model
 
@@ -128,7 +121,6 @@ def main(args) -> int:
         return _refit(args)
     try:
         from shepherd.engine.torch_executor import TorchExecutor
-        from shepherd.scheduler.scheduler import Scheduler
     except ModuleNotFoundError as e:
         print(f"shepherd calibrate: needs {e.name} (not in this build)", file=sys.stderr)
         return 2
@@ -147,20 +139,13 @@ def main(args) -> int:
     print(f"calibrate: loading the model ({args.model or 'default SmolLM2'}) ...", file=sys.stderr)
     t0 = time.perf_counter()
     ex = TorchExecutor(ecfg)
-    cap = int(ex.kv_capacity)
-    sc.max_total_tokens = cap - cap % sc.page_size
-
-    def factory():
-        return Scheduler(SchedulerConfig(**sc.__dict__), host_kv_capacity=0, max_model_len=int(ex.max_model_len))
-
-    vocab = 32000
-    mc = getattr(ex, "model_config", None) or getattr(ex, "config", None)
-    if mc is not None and getattr(mc, "vocab_size", None):
-        vocab = int(mc.vocab_size)
+    sc.max_total_tokens = whole_pages(int(ex.kv_capacity), sc.page_size)
+    sc.validate()
+    vocab = int(ex.model_config.vocab_size)
     print(f"calibrate: grid batch sizes {bs} x prompt lengths {ps}, {args.decode_steps} decode steps",
           file=sys.stderr)
     host: list = []
-    samples = collect_samples(ex, factory, bs, ps, args.decode_steps, warmup=args.warmup, repeats=args.repeats,
+    samples = collect_samples(ex, sc, bs, ps, args.decode_steps, warmup=args.warmup, repeats=args.repeats,
                               vocab_size=vocab, log=lambda m: print(m, file=sys.stderr), host=host)
     kvb = 0
     try:

@@ -102,7 +102,7 @@ def batch_shape(batch) -> BatchShape:
         ctx += start + n
         if seq.sample:
             sampled += 1
-        if n == 1 and start == seq.req.num_tokens - 1:
+        if n == 1 and seq.sample:          # a decode: the last known token, sampling the next
             d += 1
             dctx += start + 1
         else:

@@ -1,7 +1,7 @@
-"""One simulated replica: the real Scheduler, a SimExecutor with the cost
-model's step times, a virtual clock; and the per-request tracking that turns
-its outputs into RequestRecords. The loop and the fast path are described in
-sim/simulator.py.
+"""One simulated replica: the real Scheduler and a SimExecutor with the cost
+model's step times, stepped by the engine's own EngineCore on a virtual clock;
+and the per-request tracking that turns its outputs into RequestRecords. The
+loop and the fast path are described in sim/simulator.py.
 """
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import numpy as np
 
 from shepherd.bench.records import RequestRecord
 from shepherd.bench.traces import token_objects
-from shepherd.config import SchedulerConfig
-from shepherd.step import StepResult
+from shepherd.engine.build import assemble
+from shepherd.engine.core import VirtualClock
+from shepherd.engine.sim_executor import SimExecutor, SimSeq
 from shepherd.request import FinishReason, Request, RequestState
 
 if TYPE_CHECKING:
@@ -85,10 +86,10 @@ class Track:
 
 
 # --------------------------------------------------------------------------
-# executor: the shared SimExecutor when present, else a minimal stand-in
+# executor: the SimExecutor with tokens the fast path can compute k at a time
 # --------------------------------------------------------------------------
 
-class _TokenMixin:
+class SimTokens(SimExecutor):
     """Sampled tokens for the simulator, vectorisable: output token at position
     `pos` of a request is 3 + (a * 1000003 + pos * 7919 + 12345) mod (V - 3), a =
     the prompt's last token (the SimExecutor's recurrence with the prompt's last
@@ -96,75 +97,64 @@ class _TokenMixin:
     two requests with the same prompt still generate the same text). EOS only
     at the request's target length, as in SimExecutor."""
 
-    def next_token(self, req) -> int:
-        idx = len(req.output_ids)
-        t = self.target_len(req)
-        if t is not None and idx + 1 >= t:
+    def next_token(self, st: SimSeq, n_out: int, prev: int) -> int:
+        t = self.target_len(st)
+        if t is not None and n_out + 1 >= t:
             return self.eos_token_id
-        return self._tok(req, len(req.prompt_ids) + idx)
+        return self._tok(st, st.prompt_len + n_out)
 
-    def _tok(self, req, pos: int) -> int:
+    def _tok(self, st: SimSeq, pos: int) -> int:
         m = self.vocab_size - 3
-        tok = 3 + (req.prompt_ids[-1] * 1000003 + pos * 7919 + 12345) % m
-        bad = req.params.stop_token_ids
+        tok = 3 + (st.prompt_last * 1000003 + pos * 7919 + 12345) % m
+        bad = st.stop_token_ids
         while tok == self.eos_token_id or (bad and tok in bad):
             tok = 3 + (tok - 3 + 1) % m
         return tok
 
-    def token_block(self, req, k: int) -> list[int]:
-        """The next k tokens; the last is EOS when it is the request's target position
-        (the caller guarantees no earlier one is)."""
-        n_out = len(req.output_ids)
-        pos = len(req.prompt_ids) + n_out
-        if req.params.stop_token_ids or self.eos_token_id >= 3:
-            out = [self._tok(req, p) for p in range(pos, pos + k)]
+    def token_block(self, req_id: str, n_out: int, k: int) -> list[int]:
+        """The next k tokens of a request with n_out output tokens so far; the last is EOS
+        when it is the request's target position (the caller guarantees no earlier one is)."""
+        st = self.seqs[req_id]
+        pos = st.prompt_len + n_out
+        if st.stop_token_ids or self.eos_token_id >= 3:
+            out = [self._tok(st, p) for p in range(pos, pos + k)]
         else:
             m = self.vocab_size - 3
-            a = req.prompt_ids[-1] * 1000003 + 12345
+            a = st.prompt_last * 1000003 + 12345
             if k < 48:
                 out = [3 + (a + p * 7919) % m for p in range(pos, pos + k)]
             else:
                 x = 3 + (a + np.arange(pos, pos + k, dtype=np.int64) * 7919) % m
                 out = token_objects(self.vocab_size)[x].tolist()
-        t = self.target_len(req)
+        t = self.target_len(st)
         if t is not None and n_out + k >= t:
             out[-1] = self.eos_token_id
         return out
 
-
-    def token_blocks(self, reqs, k: int) -> dict[str, list[int]]:
-        """token_block(req, k) of every request of a fast-forward chunk, in one numpy pass
-        over all of them when no request has stop ids (the same values; it pays from
-        about three requests and a hundred tokens)."""
-        if len(reqs) < 3 or len(reqs) * k < 100 or self.eos_token_id >= 3 or any(r.params.stop_token_ids for r in reqs):
-            return {r.req_id: self.token_block(r, k) for r in reqs}
+    def token_blocks(self, running: list[tuple[str, int]], k: int) -> dict[str, list[int]]:
+        """token_block of every (req_id, n_out) of a fast-forward chunk, in one numpy pass over
+        all of them when no request has stop ids (the same values; it pays from about three
+        requests and a hundred tokens)."""
+        seqs = self.seqs
+        sts = [seqs[rid] for rid, _ in running]
+        if (len(running) < 3 or len(running) * k < 100 or self.eos_token_id >= 3
+                or any(st.stop_token_ids for st in sts)):
+            return {rid: self.token_block(rid, n, k) for rid, n in running}
         m = self.vocab_size - 3
-        a = np.array([r.prompt_ids[-1] * 1000003 + 12345 for r in reqs], dtype=np.int64)
-        pos = np.array([len(r.prompt_ids) + len(r.output_ids) for r in reqs], dtype=np.int64)
+        a = np.array([st.prompt_last * 1000003 + 12345 for st in sts], dtype=np.int64)
+        pos = np.array([st.prompt_len + n for st, (_, n) in zip(sts, running)], dtype=np.int64)
         x = (pos[:, None] + np.arange(k, dtype=np.int64)) * 7919
         x += a[:, None]
         x %= m
         x += 3
         rows = token_objects(self.vocab_size)[x].tolist()
         out = {}
-        for r, row in zip(reqs, rows):
-            t = self.target_len(r)
-            if t is not None and len(r.output_ids) + k >= t:
+        for st, (rid, n), row in zip(sts, running, rows):
+            t = self.target_len(st)
+            if t is not None and n + k >= t:
                 row[-1] = self.eos_token_id
-            out[r.req_id] = row
+            out[rid] = row
         return out
-
-
-def _make_executor(sim: "Simulator"):
-    from shepherd.sim.sim_executor import SimExecutor
-
-    class _SimExec(_TokenMixin, SimExecutor):
-        pass
-
-    # swap time is in the cost model's step time (PCIe transfer), not the executor's flat rate
-    return _SimExec(kv_capacity=sim.kv_capacity, host_kv_capacity=sim.host_kv, max_model_len=sim.max_model_len,
-                    eos_token_id=2, step_time=sim.cost.step_time, swap_time_per_token=0.0,
-                    vocab_size=sim.vocab, check=False)
 
 
 # --------------------------------------------------------------------------
@@ -207,21 +197,22 @@ def probe(sched) -> tuple[int, int, int, int, int]:
 
 class Replica:
     def __init__(self, idx: int, sim: "Simulator"):
-        from shepherd.scheduler.scheduler import Scheduler
         self.idx = idx
         self.sim = sim
         cfg = sim.cfg
         self.cost = sim.cost
         self.kv_capacity = sim.kv_capacity
-        self.exec = _make_executor(sim)
-        sc = SchedulerConfig(**{**cfg.scheduler.__dict__, "max_total_tokens": sim.kv_capacity})
-        self.sched = Scheduler(sc, host_kv_capacity=sim.host_kv, max_model_len=sim.max_model_len)
+        # swap time is in the cost model's step time (PCIe transfer), not the executor's flat rate
+        self.exec = SimTokens(kv_capacity=sim.kv_capacity, host_kv_capacity=sim.host_kv,
+                              max_model_len=sim.max_model_len, eos_token_id=2, step_time=sim.cost.step_time,
+                              swap_time_per_token=0.0, vocab_size=sim.vocab, check=False)
+        self.core = assemble(sim.sched_cfg, self.exec, VirtualClock(self._charge))
+        self.sched = self.core.scheduler
         self.clock = 0.0
         self.tracks: dict[str, Track] = {}
         # multi-step windows hand tokens out at the window's end, which the fast path's
         # per-step token times would not; 500-request runs step one by one quickly enough
-        self.fast = cfg.fast and sc.multi_step <= 1
-        self._held: list = []          # outputs of a multi-step window, handed out at its end
+        self.fast = cfg.fast and sim.sched_cfg.multi_step <= 1
         self.ts = Series(4) if cfg.timeseries else None     # kv_used, kv_cached, running, waiting
         self.cached_peak = 0
         self.steps = 0
@@ -249,6 +240,11 @@ class Replica:
                 "output_tokens": self.output_tokens, "kv_peak_used_tokens": self.kv_peak,
                 "cached_peak_tokens": self.cached_peak, "evicted_tokens": self.sched.kv.evicted_tokens,
                 "steps": self.steps}
+
+    def _charge(self, step_time: float) -> float:
+        """A step's time on the virtual clock: the step shape's window cost of the cost
+        model's time (vLLM v0.6 windows pay the fixed step overhead once)."""
+        return self.sched.window_cost(step_time, self.cost.overhead[0])
 
     # -- intake ------------------------------------------------------------
     def add(self, tr: Track, now: float) -> bool:
@@ -316,45 +312,25 @@ class Replica:
         self.quiet_until = -math.inf
         self._counts = None
         self._planned = (None, None)    # schedule() may change the state even when it runs nothing
-        sched = self.sched
         t0 = self.clock
-        continues = sched.in_window
-        batch = sched.schedule(t0)
+        step = self.core.step(t0)
         self._check_preempted(t0)
-        if batch.empty:
+        if not step.ran:
             # schedule() can end a request without running anything (an error such as a
-            # request that alone outgrows the pool); on_step hands out that terminal output.
-            outs, self._held = self._held + sched.on_step(batch, StepResult(), t0), []
-            self._handle_outputs(outs, t0)
+            # request that alone outgrows the pool); the step hands out that terminal output
+            self._handle_outputs(step.outputs, t0)
             self._sample_ts()
             return False
         tracks = self.tracks
-        for s in batch.seqs:
-            tr = tracks.get(s.req.req_id)
+        for s in step.batch.seqs:
+            tr = tracks.get(s.req_id)
             if tr is not None and tr.state in ("queued", "preempted"):
                 tr.move("prefill", t0)
-        res = self.exec.execute(batch)
-        dt = res.step_time
-        if continues:
-            # vLLM v0.6 multi-step: the scheduler runs and the inputs are prepared once per
-            # window (the fixed overhead, paid at its first step); every token of every
-            # request still goes through output processing, so the per-request term stays
-            dt = max(0.0, dt - self.cost.overhead[0])
-        t1 = t0 + dt
-        self.clock = t1
+        self.clock = step.end
         if self.batches is not None:
-            self.batches.append((self.idx, t0, [(s.req.req_id, s.start_pos, len(s.token_ids)) for s in batch.seqs]))
-        outs = sched.on_step(batch, res, t1)
+            self.batches.append((self.idx, t0, [(s.req_id, s.start_pos, len(s.token_ids)) for s in step.batch.seqs]))
         self.steps += 1
-        if sched.in_window:
-            # the window's tokens (and the ends of requests inside it) reach the client at
-            # its end, all at once: vLLM v0.6 processes a window's outputs after its last step
-            self._held.extend(outs)
-        else:
-            if self._held:
-                outs = self._held + outs
-                self._held = []
-            self._handle_outputs(outs, t1)
+        self._handle_outputs(step.outputs, step.end)
         self._sample_ts()
         return True
 
@@ -470,7 +446,7 @@ class Replica:
                 ends = ends[:k]
         if k < 2:
             return False
-        tokens = exe.token_blocks(running, k)
+        tokens = exe.token_blocks([(r.req_id, len(r.output_ids)) for r in running], k)
         if self.batches is not None:
             for j in range(k):
                 t0 = now if j == 0 else float(ends[j - 1])

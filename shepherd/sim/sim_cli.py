@@ -207,9 +207,7 @@ def main(args) -> int:
         cost = make_cost_model(args.model, args.gpu, tp=args.tp, cost_model=args.cost_model,
                                step_overhead=args.step_overhead, seq_overhead=args.seq_overhead,
                                overlap=args.overlap_output, frontend=args.frontend_latency)
-        sim = Simulator(cfg, cost)
-        sched.max_total_tokens = sim.kv_capacity
-        sched.validate()
+        sim = Simulator(cfg, cost)     # validates the scheduler's knobs for the capacity it derives
     except (KeyError, ValueError, ConfigError, FileNotFoundError) as e:
         print(f"shepherd simulate: {e}", file=sys.stderr)
         return 2

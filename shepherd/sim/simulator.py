@@ -46,6 +46,7 @@ by one; tests/test_simulator.py checks that both give the same records.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import sys
@@ -58,7 +59,7 @@ import numpy as np
 from shepherd.bench.records import RequestRecord, TraceRequest
 from shepherd.bench.stream import RecordStats
 from shepherd.bench.traces import prompt_token_ids
-from shepherd.config import SchedulerConfig
+from shepherd.config import SchedulerConfig, host_pool_tokens, whole_pages
 from shepherd.request import Request, SamplingParams
 from shepherd.sim.cache_bounds import HitRateBounds
 from shepherd.sim.cost_model import CostModel, RooflineCostModel, make_cost_model
@@ -206,10 +207,11 @@ class Simulator:
         else:
             cap = self.cost.kv_capacity_tokens(mem_fraction=cfg.mem_fraction, page_size=page) \
                 if isinstance(self.cost, RooflineCostModel) else self.cost.kv_capacity_tokens()
-        self.kv_capacity = cap - cap % page
-        self.host_kv = (cfg.host_kv_tokens or self.kv_capacity) if cfg.scheduler.preemption == "swap" \
-            else cfg.host_kv_tokens
+        self.kv_capacity = whole_pages(cap, page)
+        self.host_kv = host_pool_tokens(cfg.host_kv_tokens, self.kv_capacity, cfg.scheduler.preemption)
         self.max_model_len = cfg.max_model_len or self.kv_capacity
+        # every replica's scheduler: validated here, once
+        self.sched_cfg = dataclasses.replace(cfg.scheduler, max_total_tokens=self.kv_capacity).validate()
         if cfg.vocab_size:
             self.vocab = cfg.vocab_size
         else:

@@ -1,0 +1,217 @@
+"""The engine core as the server sees it: intake, the step loop, one message per step.
+
+    served = build_served_core(cfg)              # engine/build.py: executor, scheduler, EngineCore
+    run_loop(served, recv, send)                 # until a SHUTDOWN item arrives
+
+The loop is the same whether the core runs in a thread of the server process
+(`Engine`, tests and in-process benchmarks) or in a process of its own
+(`CoreProcessEngine`, `shepherd serve`): only `recv` and `send` differ.
+
+    recv(timeout) -> list of intake items      # timeout None = block until something comes
+    send(CoreStep)                             # one message per step: every request's new tokens
+
+Each iteration drains the intake (adds, aborts, finishes), runs one
+EngineCore.step on the wall clock, and sends one CoreStep. Nothing in here
+grows with the number of streams beyond the scheduler's own work and building
+the outputs: detokenisation, stop strings and SSE are the front's (output.py).
+When there is nothing to do the loop blocks in recv; it never spins.
+"""
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
+from shepherd.engine.core import EngineCore
+from shepherd.engine.metrics import StepLogger
+from shepherd.request import FinishReason, Request, RequestOutput, TokenLogprob
+from shepherd.scheduler.scheduler import QueueFull, RequestRejected, SchedulerStats
+
+logger = logging.getLogger("shepherd.engine")
+
+WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE
+
+# intake items (tuples: cheap to pickle)
+ADD, ABORT, FINISH, SHUTDOWN = "add", "abort", "finish", "shutdown"
+
+
+class CoreOutput(NamedTuple):
+    """What one step produced for one request. On the wire it is a plain tuple in this field
+    order (a NamedTuple pickles several times slower: benchmarks/ipc_cost.py); the front
+    reads it back with CoreOutput._make."""
+    req_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: Optional[str]
+    error: Optional[str]
+    completion_tokens: int
+    cached_tokens: int
+    queue_time: Optional[float]     # arrival -> first admission, on the request's first output only
+
+
+class CoreStep(NamedTuple):
+    """One message from the core to the front: all of one iteration."""
+    answers: list[tuple]            # (req_id, None) accepted | (req_id, (kind, message, retry_after))
+    outputs: list[tuple]            # CoreOutput fields, as plain tuples
+    stats: SchedulerStats
+    step_time: Optional[float]      # executor time of the step, None when no step ran
+    generated: int
+
+
+class CoreInfo(NamedTuple):
+    """What the front needs to know about the core once it is built."""
+    kv_capacity: int
+    host_kv_capacity: int
+    max_model_len: int
+    eos_token_ids: tuple
+    model_name: str
+
+
+class ServedCore:
+    """An EngineCore behind the server: intake items in, CoreOutput tuples out."""
+
+    def __init__(self, core: EngineCore, info: CoreInfo, tokenizer: Any, log_every_steps: int):
+        self.core = core
+        self.scheduler = core.scheduler
+        self.info = info
+        self.tokenizer = tokenizer
+        self.step_logger = StepLogger(log_every_steps)
+        self.last_stats = self.scheduler.stats()
+        self._reqs: dict[str, Request] = {}
+        self._first: set[str] = set()                  # requests that have not produced a token yet
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---------------------------------------------------------------- intake
+    def intake(self, items: list, now: float) -> tuple[list, list[tuple]]:
+        """Adds, aborts and finishes -> (answers to the adds, abort terminals)."""
+        answers: list = []
+        outs: list[tuple] = []
+        for kind, arg in items:
+            if kind == ADD:
+                req: Request = arg
+                req.arrival = min(req.arrival, now)
+                try:
+                    self.scheduler.add(req, now)
+                except QueueFull as e:
+                    answers.append((req.req_id, ("full", str(e), float(e.retry_after or 1.0))))
+                    continue
+                except RequestRejected as e:
+                    answers.append((req.req_id, ("rejected", str(e), 0.0)))
+                    continue
+                self._reqs[req.req_id] = req
+                self._first.add(req.req_id)
+                answers.append((req.req_id, None))
+            elif kind == ABORT:
+                self.scheduler.abort(arg, now)
+                req = self._reqs.pop(arg, None)
+                if req is not None:
+                    outs.append(self._output(req, [], [], True, FinishReason.ABORT.value, None))
+            elif kind == FINISH:   # the front matched a stop string and has answered already
+                self.scheduler.finish(arg, FinishReason.STOP, now)
+                self._reqs.pop(arg, None)
+        return answers, outs
+
+    def abort_all(self, now: float) -> list[tuple]:
+        return self.intake([(ABORT, rid) for rid in list(self._reqs)], now)[1]
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> tuple[list[tuple], Optional[float], int]:
+        """One EngineCore.step now: (outputs, executor step time or None, tokens generated).
+        The scheduler's stats after a step that ran are kept in `self.last_stats`."""
+        step = self.core.step(time.monotonic())
+        outs = self._outputs(step.outputs)
+        if not step.ran:
+            return outs, None, 0
+        generated = sum(len(o[1]) for o in outs)
+        self.last_stats = self.scheduler.stats()     # a fresh snapshot: logged here, sent by the loop
+        self.step_logger.on_step(self.last_stats, step.end, generated)
+        return outs, float(step.step_time or (step.end - step.start)), generated
+
+    def _outputs(self, ros: list[RequestOutput]) -> list[tuple]:
+        outs = []
+        for o in ros:
+            req = self._reqs.get(o.req_id)
+            if req is None:
+                continue
+            reason = o.finish_reason.value if isinstance(o.finish_reason, FinishReason) else o.finish_reason
+            if o.finished:
+                del self._reqs[o.req_id]
+            outs.append(self._output(req, o.new_token_ids, o.logprobs, o.finished, reason, o.error))
+        return outs
+
+    def _output(self, req: Request, ids, lps, finished: bool, reason, error) -> tuple:
+        qt = None
+        if (ids or finished) and req.req_id in self._first:
+            self._first.discard(req.req_id)
+            if req.admitted_at is not None:
+                qt = max(0.0, req.admitted_at - req.arrival)
+        return (req.req_id, list(ids), list(lps), finished, reason, error, len(req.output_ids),
+                int(req.num_cached or 0), qt)
+
+
+def run_loop(served: ServedCore, recv: Callable[[Optional[float]], list], send: Callable[[CoreStep], None]) -> None:
+    """The engine loop (see the module doc). Returns after a SHUTDOWN item, having aborted what was left."""
+    stalled = False
+    while True:
+        if not served.has_work:
+            served.step_logger.idle()
+        # work exists but nothing could be scheduled last time: wait a little for an intake
+        # item (an abort may free room) instead of spinning
+        items = recv(None if not served.has_work else (0.01 if stalled else 0.0))
+        now = time.monotonic()
+        stop = any(kind == SHUTDOWN for kind, _ in items)
+        items = [it for it in items if it[0] != SHUTDOWN]
+        answers, outs = served.intake(items, now)
+        if stop:
+            outs += served.abort_all(now)
+            send(CoreStep(answers, outs, served.scheduler.stats(), None, 0))
+            return
+        step_time, generated = None, 0
+        if served.has_work:
+            step_outs, step_time, generated = served.step()
+            outs += step_outs
+        stalled = not (answers or outs or step_time is not None or items)
+        if not stalled:
+            stats = served.last_stats if step_time is not None else served.scheduler.stats()
+            send(CoreStep(answers, outs, stats, step_time, generated))
+
+
+# ------------------------------------------------------------------ watchdog
+def start_watchdog(core: EngineCore, timeout: float, on_fire: Callable[[float], None],
+                   stop_evt: threading.Event) -> threading.Thread:
+    """A thread that calls on_fire(elapsed) once if one executor step runs longer than `timeout`."""
+    interval = min(1.0, max(0.01, timeout / 4))
+
+    def watch():
+        while not stop_evt.wait(interval):
+            t0 = core.step_started
+            if t0 is not None and time.monotonic() - t0 > timeout:
+                on_fire(time.monotonic() - t0)
+                return
+
+    t = threading.Thread(target=watch, name="shepherd-watchdog", daemon=True)
+    t.start()
+    return t
+
+
+def watchdog_exit(timeout: float) -> Callable[[float], None]:
+    """The default watchdog action: dump every thread's stack and exit the process."""
+    def fire(elapsed: float) -> None:
+        msg = (f"shepherd watchdog: one engine step has run for {elapsed:.1f}s "
+               f"(> --watchdog-timeout {timeout}s); dumping all thread stacks and exiting")
+        logger.critical(msg)
+        try:
+            print(msg, file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        finally:
+            os._exit(WATCHDOG_EXIT_CODE)
+    return fire
