@@ -82,7 +82,7 @@ sys.path.insert(0, ROOT)
 from shepherd.bench.stream import tpot_of  # noqa: E402
 from shepherd.bench.synthetic import ClientSpec, SyntheticSpec, synthetic  # noqa: E402
 from shepherd.config import SchedulerConfig  # noqa: E402
-from shepherd.sim.cost_model import make_cost_model  # noqa: E402
+from shepherd.sim.fitted_cost import make_cost_model  # noqa: E402
 from shepherd.sim.simulator import SimConfig, Simulator  # noqa: E402
 
 PUBLISHED = {"tpot_2qps": 8e-3, "tpot_32qps": 14e-3, "throughput_req_s": 37.0}

@@ -24,22 +24,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        p.set_defaults(_module=module)
+        p.set_defaults(command_module=module)
         try:
             importlib.import_module(module).add_arguments(p)
         except ModuleNotFoundError as e:
             if e.name != module:
                 raise
-            p.set_defaults(_missing=True)
+            p.set_defaults(command_missing=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "_missing", False):
+    if getattr(args, "command_missing", False):
         print(f"shepherd {args.command}: not available in this build", file=sys.stderr)
         return 2
-    return int(importlib.import_module(args._module).main(args) or 0)
+    return int(importlib.import_module(args.command_module).main(args) or 0)
 
 
 if __name__ == "__main__":

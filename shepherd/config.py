@@ -72,6 +72,9 @@ class SchedulerConfig:
                      "max_concurrency", "max_queue", "multi_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_first_prefill_every > 0 and self.multi_step > 1:
+            raise ConfigError("decode_first_prefill_every and multi_step each choose a step shape "
+                              "(LightLLM decode-first, vLLM v0.6 multi-step); set one of them")
         if self.max_total_tokens % self.page_size:
             raise ConfigError("max_total_tokens must be a multiple of page_size")
         return self

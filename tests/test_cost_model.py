@@ -174,8 +174,8 @@ def test_calibrate_served_overhead_fits_all_points_not_the_ends():
 
 def test_overlap_output_step_is_fixed_plus_the_larger_of_gpu_and_cpu():
     gpu = cm.RooflineCostModel("llama-3-8b", "h100").set_overhead(0.0, 0.0)
-    ovl = cm.make_cost_model("llama-3-8b", "h100", step_overhead=1e-3, seq_overhead=100e-6, overlap=True)
-    add = cm.make_cost_model("llama-3-8b", "h100", step_overhead=1e-3, seq_overhead=100e-6)
+    ovl = fc.make_cost_model("llama-3-8b", "h100", step_overhead=1e-3, seq_overhead=100e-6, overlap=True)
+    add = fc.make_cost_model("llama-3-8b", "h100", step_overhead=1e-3, seq_overhead=100e-6)
     # 10 requests: 1 ms of output processing hides behind a ~6.5 ms forward
     g10 = gpu.decode_step_time(10, 10 * 500)
     assert 6e-3 < g10 < 7e-3

@@ -14,7 +14,7 @@ from gateway_fakes import FakeBackend, ServerThread  # noqa: E402
 
 from shepherd.gateway.app import Gateway, GatewayConfig  # noqa: E402
 from shepherd.gateway.backends import BackendPool, HealthConfig, parse_backend_metrics, read_backend_file  # noqa: E402
-from shepherd.gateway.routing import make_policy  # noqa: E402
+from shepherd.routing import make_policy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,7 +5,7 @@ import collections
 
 import pytest
 
-from shepherd.gateway.routing import (
+from shepherd.routing import (
     POLICY_NAMES, ApproxRadixTree, BlockPrefixIndex, CacheAwarePolicy, NoReplicaAvailable,
     PrefixAwarePolicy, ReplicaState, RouteRequest, SessionAffinityPolicy, VTCBasicPolicy,
     WeightedPolicy, block_hashes, make_policy, parse_knobs, parse_weights, policy_knobs,
@@ -413,12 +413,8 @@ def test_policies_are_deterministic():
         assert max(r.in_flight for r in rs) - min(r.in_flight for r in rs) <= 1
 
 
-def test_every_knob_is_documented_at_its_policy_class_and_old_imports_work():
-    import shepherd.gateway.routing as old
-    import shepherd.routing as new
+def test_every_knob_is_documented_at_its_policy_class():
     from shepherd.routing.registry import POLICIES
     for name, cls in POLICIES.items():
         for knob in policy_knobs(name):
             assert knob in (cls.__doc__ or ""), f"{name}: knob {knob!r} not documented at {cls.__name__}"
-    for attr in new.__all__:
-        assert getattr(old, attr) is getattr(new, attr)

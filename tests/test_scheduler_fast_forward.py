@@ -34,7 +34,7 @@ def workload(seed, n, shared):
 def snapshot(s: Scheduler):
     st = s.stats().__dict__.copy()
     reqs = {}
-    for e in list(s._running) + list(s._waiting) + list(s._swapped):
+    for e in s.queues.all():
         r = e.req
         reqs[r.req_id] = (r.state, list(r.output_ids), list(r.slots), r.num_computed, e.cached_len)
     return st, reqs, s.kv.pool.free_list(), s.new_token_ratio

@@ -19,7 +19,7 @@ from shepherd.config import EngineConfig, ServerConfig  # noqa: E402
 from shepherd.engine.engine import Engine  # noqa: E402
 from shepherd.gateway.app import Gateway, GatewayConfig  # noqa: E402
 from shepherd.gateway.backends import BackendPool, HealthConfig  # noqa: E402
-from shepherd.gateway.routing import make_policy  # noqa: E402
+from shepherd.routing import make_policy  # noqa: E402
 from shepherd.model.loader import load_tokenizer  # noqa: E402
 from shepherd.server.openai_api import build_app  # noqa: E402
 

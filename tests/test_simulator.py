@@ -377,7 +377,7 @@ def test_frontend_latency_adds_to_every_ttft_and_moves_the_engine_side_with_it()
     assert [r.ttft for r in late] == pytest.approx([r.ttft + 0.02 for r in bare], abs=1e-9)
     assert [r.e2e for r in late] == pytest.approx([r.e2e + 0.02 for r in bare], abs=1e-9)
     with pytest.raises(ValueError):
-        from shepherd.sim.cost_model import make_cost_model
+        from shepherd.sim.fitted_cost import make_cost_model
         make_cost_model(frontend=-1.0)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from shepherd.bench.records import TraceRequest
 from shepherd.bench import synthetic as S
+from shepherd.bench import trace_formats as F
 from shepherd.bench import traces as T
 from shepherd.paths import data_path
 
@@ -16,7 +17,7 @@ DATA = Path(__file__).parent / "data"
 
 def test_azure_fixture():
     reqs = T.load_trace(DATA / "azure_conv_20.csv")
-    assert T.detect_format(DATA / "azure_conv_20.csv") == "azure"
+    assert F.detect_format(DATA / "azure_conv_20.csv") == "azure"
     assert len(reqs) == 20
     assert reqs[0].arrival == 0.0 and (reqs[0].prompt_tokens, reqs[0].output_tokens) == (374, 44)
     # 18:15:50.9951690 - 18:15:46.6805900
@@ -56,7 +57,7 @@ def test_limit_time_scale_rate():
 def test_csv_readers_reject_malformed_rows_with_line_number(tmp_path, fmt, header, good, bad, msg):
     p = tmp_path / "t.csv"
     p.write_text("\n".join([header, good, good, bad, good]) + "\n")
-    with pytest.raises(T.TraceFormatError) as e:
+    with pytest.raises(F.TraceFormatError) as e:
         T.load_trace(p, fmt)
     assert f"{p}:4:" in str(e.value) and msg in str(e.value)
 
@@ -64,8 +65,8 @@ def test_csv_readers_reject_malformed_rows_with_line_number(tmp_path, fmt, heade
 def test_csv_reader_rejects_missing_column(tmp_path):
     p = tmp_path / "t.csv"
     p.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.68,374\n")
-    with pytest.raises(T.TraceFormatError, match=r":1: header lacks"):
-        T.read_azure(p)
+    with pytest.raises(F.TraceFormatError, match=r":1: header lacks"):
+        F.read_azure(p)
 
 
 @pytest.mark.parametrize("bad,msg", [
@@ -79,8 +80,8 @@ def test_mooncake_rejects_malformed_rows_with_line_number(tmp_path, bad, msg):
     p = tmp_path / "t.jsonl"
     good = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]})
     p.write_text("\n".join([good, good, bad]) + "\n")
-    with pytest.raises(T.TraceFormatError) as e:
-        T.read_mooncake(p)
+    with pytest.raises(F.TraceFormatError) as e:
+        F.read_mooncake(p)
     assert f"{p}:3:" in str(e.value) and msg in str(e.value)
 
 
@@ -162,12 +163,12 @@ def test_readers_are_lazy_and_repeat_shifts_copies(tmp_path):
 
 
 def test_reader_rejects_a_trace_that_goes_back_in_time(tmp_path, monkeypatch):
-    monkeypatch.setattr(T, "REORDER_WINDOW", 2)
+    monkeypatch.setattr(F, "REORDER_WINDOW", 2)
     p = tmp_path / "t.csv"
     times = [10, 11, 12, 13, 14, 1]
     p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                  + "\n".join(f"2023-11-16 18:15:{t:02d}.0,100,5" for t in times) + "\n")
-    with pytest.raises(T.TraceFormatError, match="back in time"):
+    with pytest.raises(F.TraceFormatError, match="back in time"):
         list(T.iter_trace(p))
     # local disorder within the window is sorted out
     p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"

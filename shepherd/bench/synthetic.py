@@ -21,8 +21,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from shepherd.bench.records import TraceRequest
-from shepherd.bench.traces import _err
-
+from shepherd.bench.trace_formats import format_error, iter_file
 
 
 @dataclass
@@ -54,8 +53,7 @@ class LengthDist:
                 cum = np.cumsum(w) / sum(w)
                 return lambda: int(np.searchsorted(cum, rng.random())) + 1
             if kind == "trace":
-                from shepherd.bench.traces import iter_trace
-                vals = [r.prompt_tokens if which == "input" else r.output_tokens for r in iter_trace(":".join(args))]
+                vals = [r.prompt_tokens if which == "input" else r.output_tokens for r in iter_file(":".join(args))]
                 return lambda: rng.choice(vals)
         except (IndexError, ValueError):
             pass
@@ -208,13 +206,13 @@ def read_synthetic_spec(path) -> SyntheticSpec:
     try:
         d = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise _err(path, e.lineno, f"not valid JSON ({e.msg})") from None
+        raise format_error(path, e.lineno, f"not valid JSON ({e.msg})") from None
     try:
         clients = [ClientSpec(**c) for c in d.get("clients", [{}])]
         return SyntheticSpec(clients=clients, num_requests=d.get("num_requests"), duration=d.get("duration"),
                              seed=d.get("seed", 0))
     except TypeError as e:
-        raise _err(path, 1, f"bad synthetic spec: {e}") from None
+        raise format_error(path, 1, f"bad synthetic spec: {e}") from None
 
 
 __all__ = ["LengthDist", "ClientSpec", "SyntheticSpec", "iter_synthetic", "synthetic", "parse_clients",

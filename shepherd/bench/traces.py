@@ -1,27 +1,19 @@
-"""Workloads: readers for real traces (simulate and bench); synthetic ones are in synthetic.py.
+"""Workloads from files: the one entry point for a trace of any format (simulate and bench),
+and the token ids of trace requests. The real formats' readers are trace_formats.py; synthetic
+workloads (and their JSON spec files) are synthetic.py.
 
     iter_trace(path, fmt=None, *, limit=None, time_scale=1.0, rate=None, seed=0) -> Iterator[TraceRequest]
     load_trace(...)                      the same, as a list (small traces, tests)
-    read_azure(path, *, limit=None)      Azure LLM inference trace 2023 CSV (TIMESTAMP, ContextTokens, GeneratedTokens)
-    read_mooncake(path, *, limit=None)   Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)
-    read_servegen(path, *, limit=None)   ServeGen CSV (timestamp_s, client_id, input_tokens, output_tokens)
-    iter_azure / iter_mooncake / iter_servegen   the lazy readers behind them
     apply_time(reqs, time_scale=1.0, rate=None) -> list[TraceRequest]
     prompt_token_ids(tr, vocab_size, block_size=512) -> list[int]
 
-Memory: the readers are generators: a trace of any length is read with a
-window of REORDER_WINDOW rows in memory (real traces are sorted by time, up to
-small local disorder, which the window absorbs; a row earlier than one already
-given out raises TraceFormatError). `rate` needs the trace's span, so it costs
-a first counting pass over the file.
+Memory: the readers are generators (trace_formats.py); `rate` needs the
+trace's span, so it costs a first counting pass over the file.
 
-Times: every reader returns arrivals in seconds from the first request of the
-file (the first request arrives at 0), sorted by arrival (stable).
+Times: arrivals are in seconds from the first request of the file.
 `time_scale` multiplies every arrival time (0.5 replays twice as fast, 2 at
 half speed); `rate` (req/s) rescales arrivals so the mean rate over the trace
 is `rate` (applied after `limit`, instead of time_scale when both are given).
-
-Malformed rows raise TraceFormatError naming the file and line number.
 
 Token ids: traces carry lengths, not text. prompt_token_ids() builds a
 deterministic prompt of the right length: Mooncake `hash_ids` map each id to a
@@ -33,203 +25,16 @@ unique to the request (seeded by `index`). Ids avoid the lowest 256 ids
 """
 from __future__ import annotations
 
-import csv
 import functools
-import heapq
-import itertools
-import json
-import math
-from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import numpy as np
 
 from shepherd.bench.records import TraceRequest
+from shepherd.bench.synthetic import iter_synthetic, read_synthetic_spec
+from shepherd.bench.trace_formats import FORMATS, detect_format, iter_file
 
-FORMATS = ("azure", "mooncake", "servegen", "synthetic")
 RESERVED_IDS = 256
-REORDER_WINDOW = 4096
-
-
-class TraceFormatError(ValueError):
-    """A trace row could not be read: the message names the file and line."""
-
-
-def _err(path, lineno: int, msg: str) -> TraceFormatError:
-    return TraceFormatError(f"{path}:{lineno}: {msg}")
-
-
-def _int_field(path, lineno, name, value, minimum=0) -> int:
-    try:
-        f = float(value)
-        if not math.isfinite(f) or f != int(f):
-            raise ValueError
-        v = int(f)
-    except (TypeError, ValueError):
-        raise _err(path, lineno, f"{name} must be an integer, got {value!r}") from None
-    if v < minimum:
-        raise _err(path, lineno, f"{name} must be >= {minimum}, got {v}")
-    return v
-
-
-def _float_field(path, lineno, name, value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise _err(path, lineno, f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise _err(path, lineno, f"{name} must be a finite number >= 0, got {value!r}")
-    return v
-
-
-def _ordered(rows: Iterable[TraceRequest], path, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """Sort by arrival (stable) within a window of REORDER_WINDOW rows, shift so
-    the first arrival is 0, number them; stop after `limit` rows of the file."""
-    if limit is not None:
-        rows = itertools.islice(rows, limit)
-    heap: list = []
-    t0: Optional[float] = None
-    last = -math.inf
-    i = 0
-    rows = iter(rows)
-    done = False
-    while True:
-        while not done and len(heap) <= REORDER_WINDOW:
-            r = next(rows, None)
-            if r is None:
-                done = True
-            else:
-                heapq.heappush(heap, (r.arrival, i + len(heap), r))
-        if not heap:
-            return
-        a, _, r = heapq.heappop(heap)
-        if a < last:
-            raise TraceFormatError(f"{path}: arrivals go back in time by more than {REORDER_WINDOW} rows "
-                                   f"({a} after {last}); sort the trace by time")
-        if t0 is None:
-            t0 = a
-        last = a
-        r.arrival = a - t0
-        if r.index is None:
-            r.index = i
-        i += 1
-        yield r
-
-
-def _csv_rows(path, required: Sequence[str]):
-    """Yield (lineno, row dict) with a clear error on a bad header or ragged row."""
-    path = Path(path)
-    with path.open(newline="") as f:
-        reader = csv.reader(f)
-        try:
-            header = next(reader)
-        except StopIteration:
-            raise _err(path, 1, "empty file (expected a header row)") from None
-        header = [h.strip() for h in header]
-        missing = [c for c in required if c not in header]
-        if missing:
-            raise _err(path, 1, f"header lacks column(s) {missing}; got {header}")
-        idx = {c: header.index(c) for c in required}
-        for row in reader:
-            lineno = reader.line_num
-            if not row or all(not c.strip() for c in row):
-                continue
-            if len(row) != len(header):
-                raise _err(path, lineno, f"expected {len(header)} fields, got {len(row)}: {row!r}")
-            yield lineno, {c: row[i].strip() for c, i in idx.items()}
-
-
-_EPOCH_CACHE: dict[str, float] = {}
-
-
-def _parse_azure_ts(path, lineno, s: str) -> float:
-    # "2023-11-16 18:15:46.6805900" (7 fractional digits: too many for fromisoformat on 3.10)
-    try:
-        date, clock = s.split(" ") if " " in s else s.split("T")
-        day = _EPOCH_CACHE.get(date)
-        if day is None:
-            import datetime as _dt
-            day = _dt.date.fromisoformat(date).toordinal() * 86400.0
-            _EPOCH_CACHE[date] = day
-        hh, mm, ss = clock.rstrip("Z").split(":")
-        return day + int(hh) * 3600 + int(mm) * 60 + float(ss)
-    except (ValueError, AttributeError):
-        raise _err(path, lineno, f"TIMESTAMP not 'YYYY-MM-DD HH:MM:SS[.frac]': {s!r}") from None
-
-
-def _azure_rows(path) -> Iterator[TraceRequest]:
-    for lineno, row in _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens")):
-        t = _parse_azure_ts(path, lineno, row["TIMESTAMP"])
-        p = _int_field(path, lineno, "ContextTokens", row["ContextTokens"], 1)
-        o = _int_field(path, lineno, "GeneratedTokens", row["GeneratedTokens"], 0)
-        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1))
-
-
-def iter_azure(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """Azure LLM inference trace 2023 (conv or code)."""
-    return _ordered(_azure_rows(path), path, limit)
-
-
-def read_azure(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
-    return list(iter_azure(path, limit=limit))
-
-
-def _mooncake_rows(path, block_size: int) -> Iterator[TraceRequest]:
-    path = Path(path)
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise _err(path, lineno, f"not valid JSON ({e.msg})") from None
-            if not isinstance(d, dict):
-                raise _err(path, lineno, "expected a JSON object")
-            for k in ("timestamp", "input_length", "output_length"):
-                if k not in d:
-                    raise _err(path, lineno, f"missing field {k!r}")
-            t = _float_field(path, lineno, "timestamp", d["timestamp"]) / 1e3
-            p = _int_field(path, lineno, "input_length", d["input_length"], 1)
-            o = _int_field(path, lineno, "output_length", d["output_length"], 0)
-            h = d.get("hash_ids")
-            if h is not None:
-                if not isinstance(h, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in h):
-                    raise _err(path, lineno, "hash_ids must be a list of integers")
-                if len(h) * block_size < p - block_size:
-                    raise _err(path, lineno, f"{len(h)} hash_ids cover {len(h) * block_size} tokens, "
-                                             f"fewer than input_length {p} allows")
-            yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
-                               hash_ids=list(h) if h is not None else None)
-
-
-def iter_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -> Iterator[TraceRequest]:
-    """Mooncake trace JSONL: timestamp (ms), input_length, output_length, hash_ids."""
-    return _ordered(_mooncake_rows(path, block_size), path, limit)
-
-
-def read_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -> list[TraceRequest]:
-    return list(iter_mooncake(path, limit=limit, block_size=block_size))
-
-
-def _servegen_rows(path) -> Iterator[TraceRequest]:
-    for lineno, row in _csv_rows(path, ("timestamp_s", "client_id", "input_tokens", "output_tokens")):
-        t = _float_field(path, lineno, "timestamp_s", row["timestamp_s"])
-        if not row["client_id"]:
-            raise _err(path, lineno, "empty client_id")
-        p = _int_field(path, lineno, "input_tokens", row["input_tokens"], 1)
-        o = _int_field(path, lineno, "output_tokens", row["output_tokens"], 0)
-        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
-                           client=f"client-{row['client_id']}")
-
-
-def iter_servegen(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """ServeGen-derived multi-tenant CSV: timestamp_s, client_id, input_tokens, output_tokens."""
-    return _ordered(_servegen_rows(path), path, limit)
-
-
-def read_servegen(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
-    return list(iter_servegen(path, limit=limit))
 
 
 # --------------------------------------------------------------------------
@@ -254,37 +59,16 @@ def apply_time(reqs: list[TraceRequest], time_scale: float = 1.0, rate: Optional
     return reqs
 
 
-def detect_format(path) -> str:
-    p = str(path).lower()
-    if p.endswith(".jsonl"):
-        return "mooncake"
-    if p.endswith(".json"):
-        return "synthetic"
-    with open(path, newline="") as f:
-        header = f.readline()
-    if "ContextTokens" in header:
-        return "azure"
-    if "client_id" in header:
-        return "servegen"
-    raise TraceFormatError(f"{path}:1: cannot tell the trace format from the header {header.strip()!r}; "
-                           f"pass --format {'|'.join(FORMATS)}")
-
-
 def _reader(path, fmt: str, limit: Optional[int], seed: int) -> Iterator[TraceRequest]:
-    if fmt == "azure":
-        return iter_azure(path, limit=limit)
-    if fmt == "mooncake":
-        return iter_mooncake(path, limit=limit)
-    if fmt == "servegen":
-        return iter_servegen(path, limit=limit)
     if fmt == "synthetic":
-        from shepherd.bench.synthetic import iter_synthetic, read_synthetic_spec
         spec = read_synthetic_spec(path)
         if limit is not None:
             spec.num_requests = min(limit, spec.num_requests or limit)
         spec.seed = spec.seed or seed
         return iter_synthetic(spec)
-    raise ValueError(f"unknown trace format {fmt!r}; one of {FORMATS}")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r}; one of {FORMATS}")
+    return iter_file(path, fmt, limit=limit)
 
 
 def _count_span(path, fmt: str, limit: Optional[int], seed: int) -> tuple[int, float]:
@@ -332,9 +116,6 @@ def load_trace(path, fmt: Optional[str] = None, *, limit: Optional[int] = None, 
 # --------------------------------------------------------------------------
 # token ids
 # --------------------------------------------------------------------------
-
-_M64 = (1 << 64) - 1
-
 
 _P = 2_147_483_647  # a prime > any vocabulary
 
@@ -421,6 +202,5 @@ def prompt_token_ids(tr: TraceRequest, vocab_size: int, block_size: int = 512) -
     return ids
 
 
-__all__ = ["FORMATS", "TraceFormatError", "read_azure", "read_mooncake", "read_servegen",
-           "iter_azure", "iter_mooncake", "iter_servegen", "apply_time", "detect_format", "iter_trace",
-           "load_trace", "prompt_token_ids", "prompt_segments"]
+__all__ = ["apply_time", "iter_trace", "load_trace", "prompt_token_ids", "prompt_segments", "seeded_stream",
+           "token_objects"]

@@ -96,7 +96,7 @@ class RequestStream:
         if not self.finished:
             self.engine.abort(self.req_id)
 
-    def _put(self, out: EngineOutput) -> None:   # on the loop
+    def put(self, out: EngineOutput) -> None:   # on the loop
         self.queue.put_nowait(out)
 
 
@@ -261,7 +261,7 @@ class OutputProcessor:
             self.tracks.pop(req.req_id, None)
             self.metrics.e2e.observe(max(0.0, now - req.arrival))
             self.metrics.request_success.labels(self.model_name, reason or "unknown").inc()
-        tr.stream._put(out)
+        tr.stream.put(out)
 
     def fail_all(self, message: str, now: float, reason: str = "error") -> None:
         """End every tracked request: an engine error (or an abort at shutdown)."""

@@ -397,20 +397,22 @@ class TorchExecutor:
         )
         return inp, sampled
 
+    def _key_span(self, ctx: int) -> tuple[int, int]:
+        """(keys padded, blocks) for a context of ctx keys: whole kv_block blocks when batch
+        invariant (a row reduces block by block whatever the batch), else one span padded to 16."""
+        if self.model.batch_invariant:
+            Lp = _round_up(ctx, self.kv_block)
+            return Lp, Lp // self.kv_block
+        return _round_up(ctx, 16), 1
+
     def _torch_groups(self, dec_rows, dec_slots, dec_ctx, prefills, T: int) -> list[AttnGroup]:
         """Attention groups of the pure-torch path: all decodes as one padded batch, each
         prefill chunk alone; keys padded to whole blocks (invariant) or to 16."""
-        inv, Bk, head_off = self.model.batch_invariant, self.kv_block, self._head_off
+        head_off = self._head_off
         groups: list[AttnGroup] = []
         if dec_rows:
             B = len(dec_rows)
-            Lmax = max(dec_ctx)
-            if inv:
-                Lp = _round_up(Lmax, Bk)
-                nb = Lp // Bk
-            else:
-                Lp = _round_up(Lmax, 16)
-                nb = 1
+            Lp, nb = self._key_span(max(dec_ctx))
             gs = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True)   # [B, Lmax], pads with 0
             if gs.shape[1] < Lp:
                 gs = torch.nn.functional.pad(gs, (0, Lp - gs.shape[1]))
@@ -422,12 +424,7 @@ class TorchExecutor:
                                     mask=mask.view(B, nb, 1, 1, Lp // nb), B=B, q_len=1, Lp=Lp, nb=nb))
         for (r0, n, start, sl) in prefills:
             ctx = start + n
-            if inv:
-                Lp = _round_up(ctx, Bk)
-                nb = Lp // Bk
-            else:
-                Lp = _round_up(ctx, 16)
-                nb = 1
+            Lp, nb = self._key_span(ctx)
             gs = torch.zeros(Lp, dtype=torch.long)
             gs[:ctx] = sl
             invalid = self._arange[:Lp].unsqueeze(0) > self._arange[start: ctx].unsqueeze(1)   # [n, Lp]

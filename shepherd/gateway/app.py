@@ -51,8 +51,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from shepherd.gateway.backends import Backend, BackendPool, normalize_url
 from shepherd.gateway.gw_metrics import GatewayMetrics
 from shepherd.gateway.http1 import Http1Pool, Response, UpstreamError
-from shepherd.gateway.intake import _BadRequest, _Disconnected, _send_json, error_body, route_request_from
-from shepherd.gateway.routing import NoReplicaAvailable, RouteRequest, RoutingPolicy
+from shepherd.gateway.intake import BadRequest, Disconnected, send_json, error_body, route_request_from
+from shepherd.routing import NoReplicaAvailable, RouteRequest, RoutingPolicy
 
 log = logging.getLogger("shepherd.gateway")
 
@@ -150,7 +150,7 @@ class Gateway:
             except Exception as e:  # noqa: BLE001 - a gateway bug answers in JSON, never plain text
                 log.exception("gateway error")
                 if not started:
-                    await _send_json(send, 500, error_body(f"gateway error: {type(e).__name__}",
+                    await send_json(send, 500, error_body(f"gateway error: {type(e).__name__}",
                                                            "server_error", 500))
         elif t == "lifespan":
             await self._lifespan(receive, send)
@@ -175,11 +175,11 @@ class Gateway:
         method = scope["method"]
         if path in PROXY_PATHS:
             if method != "POST":
-                return await _send_json(send, 405, error_body(f"{method} not allowed on {path}"))
+                return await send_json(send, 405, error_body(f"{method} not allowed on {path}"))
             return await self._proxy(scope, receive, send, path)
         if path == "/health" and method in ("GET", "HEAD"):
             n = self.pool.healthy_count()
-            return await _send_json(send, 200 if n else 503,
+            return await send_json(send, 200 if n else 503,
                                     {"status": "ok" if n else "no healthy backend", "healthy_backends": n,
                                      "backends": len(self.pool.replicas())})
         if path == "/metrics" and method == "GET":
@@ -192,7 +192,7 @@ class Gateway:
             return await self._models(scope, send)
         if path == "/admin/backends":
             return await self._admin(scope, receive, send, method)
-        return await _send_json(send, 404, error_body(f"no route {method} {path}", "not_found_error"))
+        return await send_json(send, 404, error_body(f"no route {method} {path}", "not_found_error"))
 
     # --- helpers -----------------------------------------------------------------------
     async def _read_body(self, receive) -> bytes:
@@ -201,12 +201,12 @@ class Gateway:
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                raise _Disconnected()
+                raise Disconnected()
             b = msg.get("body", b"")
             if b:
                 size += len(b)
                 if size > self.cfg.max_body_bytes:
-                    raise _BadRequest(f"request body larger than {self.cfg.max_body_bytes} bytes", status=413)
+                    raise BadRequest(f"request body larger than {self.cfg.max_body_bytes} bytes", status=413)
                 chunks.append(b)
             if not msg.get("more_body", False):
                 return b"".join(chunks)
@@ -232,20 +232,20 @@ class Gateway:
                 if mid is not None and mid not in seen:
                     seen.add(mid)
                     data.append(m)
-        await _send_json(send, 200, {"object": "list", "data": data})
+        await send_json(send, 200, {"object": "list", "data": data})
 
     async def _admin(self, scope, receive, send, method: str) -> None:
         if method == "GET":
-            return await _send_json(send, 200, {"policy": self.policy_name,
+            return await send_json(send, 200, {"policy": self.policy_name,
                                                 "backends": [b.to_dict() for b in self.pool.backends()]})
         if method not in ("POST", "DELETE"):
-            return await _send_json(send, 405, error_body(f"{method} not allowed on /admin/backends"))
+            return await send_json(send, 405, error_body(f"{method} not allowed on /admin/backends"))
         try:
             body = await self._read_body(receive)
-        except _Disconnected:
+        except Disconnected:
             return
-        except _BadRequest as e:
-            return await _send_json(send, e.status, error_body(e.message))
+        except BadRequest as e:
+            return await send_json(send, e.status, error_body(e.message))
         url = None
         qs = parse_qs(scope.get("query_string", b"").decode())
         if "url" in qs:
@@ -255,19 +255,19 @@ class Gateway:
                 obj = json.loads(body)
                 url = obj.get("url") if isinstance(obj, dict) else None
             except ValueError:
-                return await _send_json(send, 400, error_body("body must be JSON {\"url\": ...}"))
+                return await send_json(send, 400, error_body("body must be JSON {\"url\": ...}"))
         if not isinstance(url, str) or not url:
-            return await _send_json(send, 400, error_body("a backend 'url' is required", param="url"))
+            return await send_json(send, 400, error_body("a backend 'url' is required", param="url"))
         try:
             url = normalize_url(url)
         except ValueError as e:
-            return await _send_json(send, 400, error_body(str(e), param="url"))
+            return await send_json(send, 400, error_body(str(e), param="url"))
         if method == "POST":
             b = self.pool.add(url, source="admin")
-            return await _send_json(send, 200, {"added": url, "backend": b.to_dict()})
+            return await send_json(send, 200, {"added": url, "backend": b.to_dict()})
         if not self.pool.remove(url):
-            return await _send_json(send, 404, error_body(f"no backend {url}", "not_found_error"))
-        return await _send_json(send, 200, {"removed": url})
+            return await send_json(send, 404, error_body(f"no backend {url}", "not_found_error"))
+        return await send_json(send, 200, {"removed": url})
 
     # --- the proxy ---------------------------------------------------------------------
     async def _proxy(self, scope, receive, send, path: str) -> None:
@@ -277,9 +277,9 @@ class Gateway:
             try:
                 payload = json.loads(body)
             except (ValueError, RecursionError):
-                raise _BadRequest("request body is not valid JSON (or nested too deeply)") from None
+                raise BadRequest("request body is not valid JSON (or nested too deeply)") from None
             if not isinstance(payload, dict):
-                raise _BadRequest("request body must be a JSON object")
+                raise BadRequest("request body must be a JSON object")
             hdrs = {}
             fwd = []
             for k, v in scope["headers"]:
@@ -289,12 +289,12 @@ class Gateway:
                 if lk not in _DROP_REQ:
                     fwd.append((k, v))
             rr = route_request_from(payload, path == "/v1/chat/completions", hdrs, time.monotonic())
-        except _Disconnected:
+        except Disconnected:
             m.errors.labels("client_abort").inc()
             return
-        except _BadRequest as e:
+        except BadRequest as e:
             m.errors.labels("bad_request").inc()
-            return await _send_json(send, e.status, error_body(e.message, param=e.param, code=e.status))
+            return await send_json(send, e.status, error_body(e.message, param=e.param, code=e.status))
 
         # From here on a client disconnect cancels this task (the watcher), so
         # every await below may raise CancelledError and every finally runs.
@@ -370,10 +370,10 @@ class Gateway:
             return
         if not tried:
             m.errors.labels("no_backend").inc()
-            return await _send_json(send, 503, error_body("no healthy backend", "service_unavailable", 503),
+            return await send_json(send, 503, error_body("no healthy backend", "service_unavailable", 503),
                                     [(b"retry-after", b"1")])
         m.errors.labels("upstream").inc()
-        await _send_json(send, 502, error_body(f"all backends failed: {last_error}", "upstream_error", 502))
+        await send_json(send, 502, error_body(f"all backends failed: {last_error}", "upstream_error", 502))
 
     def _resp_headers(self, resp: Response, backend: Backend) -> list:
         out = [(k, v) for k, v in resp.headers_raw if k.decode("latin-1").lower() not in _DROP_RESP]

@@ -171,7 +171,7 @@ class Response:
             return
         self._closed = True
         if self._done and self._keep_alive:
-            self._pool._release(self._conn)
+            self._pool.release(self._conn)
         else:
             self._conn.close()
 
@@ -221,7 +221,7 @@ class Http1Pool:
             return c
         return None
 
-    def _release(self, c: _Conn) -> None:
+    def release(self, c: _Conn) -> None:
         if self._closed or c.writer.is_closing():
             c.close()
             return

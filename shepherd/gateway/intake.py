@@ -4,14 +4,14 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from shepherd.gateway.routing import RouteRequest
+from shepherd.routing import RouteRequest
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code=None, param=None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-async def _send_json(send, status: int, obj, headers: Optional[list] = None) -> None:
+async def send_json(send, status: int, obj, headers: Optional[list] = None) -> None:
     data = json.dumps(obj).encode()
     h = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     if headers:
@@ -20,13 +20,13 @@ async def _send_json(send, status: int, obj, headers: Optional[list] = None) -> 
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
-class _BadRequest(Exception):
+class BadRequest(Exception):
     def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
 
 
-class _Disconnected(Exception):
+class Disconnected(Exception):
     pass
 
 
@@ -49,21 +49,21 @@ def _flatten_content(content) -> str:
 
 
 def route_request_from(payload: dict, chat: bool, headers: dict, now: float) -> RouteRequest:
-    """What the routing policy sees of a request; raises _BadRequest on bad input."""
+    """What the routing policy sees of a request; raises BadRequest on bad input."""
     token_ids = None
     if chat:
         msgs = payload.get("messages")
         if not isinstance(msgs, list) or not msgs:
-            raise _BadRequest("'messages' must be a non-empty list", "messages")
+            raise BadRequest("'messages' must be a non-empty list", "messages")
         parts = []
         for m in msgs:
             if not isinstance(m, dict):
-                raise _BadRequest("each message must be an object", "messages")
+                raise BadRequest("each message must be an object", "messages")
             parts.append(f"<|{m.get('role', '')}|>{_flatten_content(m.get('content'))}\n")
         text = "".join(parts)
     else:
         if "prompt" not in payload:
-            raise _BadRequest("'prompt' is required", "prompt")
+            raise BadRequest("'prompt' is required", "prompt")
         prompt = payload["prompt"]
         if isinstance(prompt, str):
             text = prompt
@@ -77,16 +77,16 @@ def route_request_from(payload: dict, chat: bool, headers: dict, now: float) -> 
             token_ids = prompt[0] if all(isinstance(t, int) for t in prompt[0]) else None
             text = " ".join(map(str, prompt[0]))
         else:
-            raise _BadRequest("'prompt' must be a string, a list of strings, or token ids", "prompt")
+            raise BadRequest("'prompt' must be a string, a list of strings, or token ids", "prompt")
     # lone surrogates (legal in JSON, not in UTF-8) would break the policies' hashing; the
     # replica answers such a request with a 400, the gateway only needs something to route on
     text = text.encode("utf-8", "replace").decode("utf-8")
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
-        raise _BadRequest("'stream' must be a boolean", "stream")
+        raise BadRequest("'stream' must be a boolean", "stream")
     user = payload.get("user")
     if user is not None and not isinstance(user, str):
-        raise _BadRequest("'user' must be a string", "user")
+        raise BadRequest("'user' must be a string", "user")
     user = user or headers.get("x-client-id") or None
     mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
     return RouteRequest(

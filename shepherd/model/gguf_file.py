@@ -107,7 +107,7 @@ class _GGUFFile:
         return self._u(fmt)
 
 
-def _gguf_reader(path: str, with_tensors: bool = True) -> _GGUFFile:
+def gguf_reader(path: str, with_tensors: bool = True) -> _GGUFFile:
     try:
         return _GGUFFile(path, with_tensors=with_tensors)
     except ModelLoadError:

@@ -19,7 +19,7 @@ import torch
 
 from shepherd.config import ModelConfig
 from shepherd.model.errors import ModelLoadError, ModelNotFoundError, UnsupportedArchitectureError  # noqa: F401
-from shepherd.model.gguf_file import _gguf_reader
+from shepherd.model.gguf_file import gguf_reader
 from shepherd.model.tokenizer import Tokenizer
 
 log = logging.getLogger("shepherd")
@@ -198,7 +198,7 @@ def _gguf_quant(t, mode: str):
 
 
 def _load_gguf(path: str, dtype: torch.dtype, with_weights: bool = True, quantization: str = "none"):
-    reader = _gguf_reader(path, with_tensors=with_weights)
+    reader = gguf_reader(path, with_tensors=with_weights)
     fields = reader.fields
     name = _gguf_name(fields)
     tokenizer = Tokenizer.from_gguf_fields(fields, name=name)

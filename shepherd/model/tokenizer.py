@@ -91,6 +91,11 @@ class Tokenizer:
         return self.vocab_size
 
     # ---- chat --------------------------------------------------------------
+    def set_chat_template(self, text: Optional[str]) -> None:
+        """Replace the model's chat template (e.g. --chat-template FILE)."""
+        self.chat_template = text
+        self._template = None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render `messages` with the model's chat template (jinja2, sandboxed)."""

@@ -77,6 +77,9 @@ def make_policy(name: str, **knobs: Any) -> RoutingPolicy:
             k2 = "weights"
         if k2 not in defaults:
             raise ValueError(f"policy {canon!r} has no knob {k!r}; knobs: {', '.join(defaults) or 'none'}")
+        if k2 == "fallback" and isinstance(v, str):   # a policy delegating to one named here
+            kwargs[k2] = make_policy(v)
+            continue
         try:
             kwargs[k2] = _convert(v, defaults[k2])
         except ValueError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from shepherd.routing.base import RouteRequest, RoutingPolicy, stable_hash
+from shepherd.routing.load import LeastRequestPolicy
 
 
 class SessionAffinityPolicy(RoutingPolicy):
@@ -16,17 +17,17 @@ class SessionAffinityPolicy(RoutingPolicy):
     loaded by more than `max_imbalance` (0 = never spill), the `fallback`
     policy decides.
 
-    Knobs: header, fallback (a policy name), max_imbalance, use_user."""
+    Knobs: header, fallback (a policy name: registry.make_policy builds it; default
+    least-request), max_imbalance, use_user."""
     name = "session-affinity"
 
-    def __init__(self, header: str = "x-session-id", fallback: str = "least-request",
+    def __init__(self, header: str = "x-session-id", fallback: Optional[RoutingPolicy] = None,
                  max_imbalance: int = 0, use_user: bool = True) -> None:
         super().__init__()
         self.header = header.lower()
         self.max_imbalance = max_imbalance
         self.use_user = use_user
-        from shepherd.routing.registry import make_policy   # the registry imports this module
-        self.fallback = make_policy(fallback)
+        self.fallback = fallback if fallback is not None else LeastRequestPolicy()
 
     def session_of(self, request: RouteRequest) -> Optional[str]:
         s = request.headers.get(self.header) if request.headers else None

@@ -20,12 +20,18 @@ optimistic  cand_own + ratio * min(cand_b, cap) <= free + evictable
             where ratio is new_token_ratio (decays; reset after preemption).
 
 All of them are O(running) per admission attempt (peak sorts the running set
-once per attempt), never O(queue).
+once per attempt), never O(queue). `Admission` builds the state a step's
+attempts share from the running set and the KV manager; GrowthRatio is the
+ratio optimistic admission reserves with.
 """
 from __future__ import annotations
 
 from bisect import insort
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from shepherd.scheduler.kv_manager import KVManager
+    from shepherd.scheduler.state import Entry
 
 
 class AdmissionState:
@@ -186,3 +192,54 @@ def peak_usage(pairs: list[tuple[int, int]]) -> int:
         cum += o
         best = max(best, cum + i * b)
     return best
+
+
+class GrowthRatio:
+    """SGLang's new_token_ratio: the share of its remaining output optimistic admission reserves
+    for each running request. It decays by `delta` per decode step down to `floor`, goes back
+    to `init` when the scheduler empties, and is re-estimated after a preemption."""
+
+    def __init__(self, init: float, floor: float, decay_steps: int):
+        self.init = init
+        self.floor = floor
+        self.delta = (init - floor) / max(1, decay_steps)
+        self.base = init
+        self.steps = 0          # decode steps since base was set
+
+    def after(self, steps: int = 0) -> float:
+        """The ratio after `steps` more decode steps."""
+        return max(self.floor, self.base - self.delta * (self.steps + steps))
+
+    @property
+    def value(self) -> float:
+        return self.after(0)
+
+    def decay(self, steps: int = 1) -> None:
+        self.steps += steps
+
+    def reset(self, base: Optional[float] = None) -> None:
+        self.base = self.init if base is None else base
+        self.steps = 0
+
+
+class Admission:
+    """The admission mode over the KV manager: what admission sees now, or after `ahead` more
+    decode-only steps (the simulator's fast path asks that)."""
+
+    def __init__(self, mode: AdmissionMode, kv: "KVManager", ratio: GrowthRatio, reserve_cap: int):
+        self.mode = mode
+        self.kv = kv
+        self.ratio = ratio
+        self.reserve_cap = reserve_cap
+
+    def state(self, running: list["Entry"], ahead: int = 0) -> AdmissionState:
+        kv, lock = self.kv, self.mode.lockstep
+        spent, pairs, pinned = 0, [], []
+        for e in running:
+            spent += kv.decode_pages(e, ahead) if ahead else 0
+            lag = lock and e.in_prefill()     # a prefill spanning steps lags the decoders: pinned
+            p = kv.lockstep_pair(e, ahead) if lock and not lag else \
+                kv.pair(e, max(len(e.req.slots), e.req.num_computed + ahead))
+            (pinned if lag else pairs).append(p)
+        free = (kv.available_pages() - spent) * kv.page_size
+        return self.mode.state(pairs, free, self.ratio.after(ahead), self.reserve_cap, pinned)

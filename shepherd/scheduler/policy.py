@@ -160,7 +160,7 @@ class DFSWeight(Policy):
         at_node = defaultdict(list)
         weight = defaultdict(int)
         for e in rest:
-            node = _deepest_node(tree, e.req.all_ids[:-1])
+            node = tree.deepest_node(e.req.all_ids[:-1])
             at_node[node.id].append(e)
             while node is not None:
                 weight[node.id] += 1
@@ -174,25 +174,6 @@ class DFSWeight(Policy):
             kids.sort(key=lambda c: (weight[c.id], -c.id))   # push lightest first: heaviest popped first
             stack.extend(kids)
         return out
-
-
-def _deepest_node(tree, ids):
-    """Deepest node whose whole key path is a prefix of ids (no split, no touch)."""
-    from shepherd.scheduler.radix_cache import _common_len
-    p = tree.page_size
-    node = tree.root
-    i = 0
-    n = len(ids) - len(ids) % p
-    while i < n:
-        child = node.children.get(tree._child_key(ids, i))
-        if child is None:
-            break
-        m = _common_len(child.key, ids, i)
-        node = child             # a partial match still belongs to this subtree
-        if m < len(child.key):
-            break
-        i += m
-    return node
 
 
 class VTC(Policy):

@@ -144,6 +144,24 @@ class RadixCache:
             node = child
         return i
 
+    def deepest_node(self, ids: list[int]) -> Node:
+        """The deepest node whose whole key path is a prefix of ids, or inside whose own key
+        ids end or diverge (its subtree is where ids belong); no split, no touch."""
+        p = self.page_size
+        node = self.root
+        i = 0
+        n = len(ids) - len(ids) % p
+        while i < n:
+            child = node.children.get(self._child_key(ids, i))
+            if child is None:
+                break
+            m = _common_len(child.key, ids, i)
+            node = child             # a partial match still belongs to this subtree
+            if m < len(child.key):
+                break
+            i += m
+        return node
+
     def match_info(self, ids: list[int], n: Optional[int] = None) -> tuple[int, int]:
         """(cached prefix length of ids[:n], how many of those tokens are unlocked now)
         without touching or splitting anything: what admission checks use."""

@@ -1,4 +1,4 @@
-"""The scheduler: waiting queue, running set, one decision per step.
+"""The scheduler: one decision per step over the waiting queue and the running set.
 
 Pure logic: no tensors, no clock of its own (`now` is passed in), no I/O.
 The engine, the simulator and the tests use exactly this:
@@ -12,37 +12,43 @@ The engine, the simulator and the tests use exactly this:
     outs = sched.on_step(batch, result, now)  # one RequestOutput per request that got a token or ended
     sched.stats() / sched.snapshot()          # every counter (a copy) / an O(1) SchedulerSnapshot
     sched.has_work, sched.running, sched.waiting, sched.swapped, sched.get(req_id), check_integrity()
-    sched.decode_horizon(now[, finishing]), sched.fast_forward(k, tokens, now)   # the simulator's, fast_path.py
+    sched.decode_horizon(now[, finishing]), sched.fast_forward(k, tokens, now)   # the simulator's
+    sched.in_window, sched.shape.window_cost(...)                               # multi-step windows
 
-Owners: KVManager (kv_manager.py) makes every write to KV memory; the
-admission mode (admission.py) says whether a candidate fits, whether steps
-mix and whether a decode may preempt; the policy (policy.py) orders the queue
-and ranks requests for priority preemption; preemption.py picks victims.
+Owners, each handed what it works on: Queues (queues.py) holds where every
+request is and makes every move between queues; KVManager (kv_manager.py)
+makes every write to KV memory; the admission mode (admission.py) says
+whether a candidate fits, whether steps mix and whether a decode may preempt;
+the policy (policy.py) orders the queue and ranks requests; Preemption
+(preemption.py) picks and makes victims; the step shape (step_shape.py) says
+when prefills may join; fast_path.py proves how many steps can only be
+decodes. This class decides who runs each step and keeps the step counter.
 
-Step shape: with mixed_steps (the default, vLLM) every running decode gets its
-token first, then prefill chunks and admissions fill the rest of max_num_tokens;
-a step that had to preempt for decode KV admits nothing. Without it (or under
-a mode that never mixes) a step is a prefill step (decodes wait) or a decode
-step; when prefills may join is step_gate.py's (SGLang, LightLLM, vLLM v0.6
-multi-step). A request is admitted only when its whole known sequence gets KV
-slots at once, so a chunked prefill never runs out of memory half-way.
+Step shape: with mixed steps (the default, vLLM) every running decode gets
+its token first, then prefill chunks and admissions fill the rest of
+max_num_tokens; a step that had to preempt for decode KV admits nothing.
+Otherwise (or under a mode that never mixes) a step is a prefill step
+(decodes wait) or a decode step. A request is admitted only when its whole
+known sequence gets KV slots at once, so a chunked prefill never runs out of
+memory half-way.
 """
 from __future__ import annotations
 
 import random as _random
-from collections import deque
-from itertools import islice
 from typing import Optional
 
 from shepherd.config import SchedulerConfig
 from shepherd.request import FinishReason, Request, RequestOutput, RequestState, context_error
-from shepherd.scheduler import fast_path, preemption, step_gate
-from shepherd.scheduler.admission import AdmissionState, make_admission
+from shepherd.scheduler.admission import Admission, AdmissionState, GrowthRatio, make_admission
+from shepherd.scheduler.fast_path import DecodeHorizon
 from shepherd.scheduler.kv_manager import KVManager
 from shepherd.scheduler.kv_pool import pages_for
 from shepherd.scheduler.policy import make_policy
+from shepherd.scheduler.preemption import Preemption
+from shepherd.scheduler.queues import Queues
 from shepherd.scheduler.state import Entry, QueueFull, RequestRejected, SchedulerSnapshot, SchedulerStats
-from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult, SwapOp
+from shepherd.scheduler.step_shape import make_step_shape
+from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult
 
 __all__ = ["QueueFull", "RequestRejected", "Scheduler", "SchedulerSnapshot", "SchedulerStats"]
 
@@ -57,63 +63,58 @@ class Scheduler:
                                      kv_host_capacity=max(0, int(host_kv_capacity)))
         self.kv = KVManager(self.capacity, self.page_size, config.prefix_cache, host_kv_capacity, self._stats)
         self.host_kv_capacity = self.kv.host_capacity
-        self.admission = make_admission(config.admission)
-        self.policy = make_policy(config, self.kv.tree, self.admission)
+        self.mode = make_admission(config.admission)
+        self.ratio = GrowthRatio(config.new_token_ratio_init, config.new_token_ratio_min,
+                                 config.new_token_ratio_decay_steps)
+        self.admission = Admission(self.mode, self.kv, self.ratio, config.reserve_cap_tokens)
+        self.policy = make_policy(config, self.kv.tree, self.mode)
+        self.queues = Queues(self.policy)
+        self.shape = make_step_shape(config)
+        self.preemption = Preemption(config, self.queues, self.kv, self.policy, self.admission, self.ratio,
+                                     self._stats)
+        self._horizon = DecodeHorizon(config, self.queues, self.kv, self.policy, self.admission, self.shape)
         self._rng = _random.Random(config.seed)
-
-        self._entries: dict[str, Entry] = {}
-        self._waiting: deque[Entry] = deque()
-        self._running: list[Entry] = []
-        self._swapped: deque[Entry] = deque()
-        self._finished: list[str] = []      # ended since the last batch that ran: batch.finished
-        self._seq = 0
-        self._admit_seq = 0
         self._step = 0
-        self._consec_prefill = 0
-        self._since_prefill = 0
-        # new_token_ratio = max(min, base - delta * decode steps since base was set)
-        self._ratio_base = config.new_token_ratio_init
-        self._ratio_steps = 0
-        self._ratio_delta = ((config.new_token_ratio_init - config.new_token_ratio_min)
-                             / max(1, config.new_token_ratio_decay_steps))
+        self._finished: list[str] = []      # ended since the last batch that ran: batch.finished
         self._deferred_outputs: list[RequestOutput] = []   # terminal outputs made inside schedule()
-        self._continues_window = False     # the last schedule() continued a multi-step window
-        self._pending_swap_in: list[SwapOp] = []
+        self._horizon_memo: Optional[tuple] = None         # (state key, horizon with finishing)
 
     # ------------------------------------------------------------------ views
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._swapped)
+        q = self.queues
+        return bool(q.waiting or q.running or q.swapped)
 
     @property
     def running(self) -> list[Request]:
-        return [e.req for e in self._running]
+        return [e.req for e in self.queues.running]
 
     @property
     def waiting(self) -> list[Request]:
-        return [e.req for e in self._waiting]
+        return [e.req for e in self.queues.waiting]
 
     @property
     def swapped(self) -> list[Request]:
-        return [e.req for e in self._swapped]
+        return [e.req for e in self.queues.swapped]
 
     def get(self, req_id: str) -> Optional[Request]:
-        e = self._entries.get(req_id)
+        e = self.queues.get(req_id)
         return e.req if e else None
-
-    def ratio_after(self, steps: int) -> float:
-        """new_token_ratio after `steps` more decode steps."""
-        return max(self.cfg.new_token_ratio_min,
-                   self._ratio_base - self._ratio_delta * (self._ratio_steps + steps))
 
     @property
     def new_token_ratio(self) -> float:
-        return self.ratio_after(0)
+        return self.ratio.value
+
+    @property
+    def in_window(self) -> bool:
+        """The next step continues a multi-step window (its outputs wait for the window's end)."""
+        return self.shape.in_window(bool(self.queues.running))
 
     # ------------------------------------------------------------------ intake
     def add(self, req: Request, now: float) -> None:
         cfg = self.cfg
-        if req.req_id in self._entries:
+        q = self.queues
+        if req.req_id in q:
             raise RequestRejected(f"duplicate request id {req.req_id!r}")
         n = len(req.prompt_ids)
         if n == 0:
@@ -127,32 +128,25 @@ class Scheduler:
             raise RequestRejected(
                 f"prompt has {n} tokens; with one output token it exceeds the KV capacity of {self.capacity} tokens")
         limit = min(req.params.max_tokens, self.max_model_len - n)
-        if self.admission.reserves_output:
+        if self.mode.reserves_output:
             need = n + limit - 1
             if pages_for(need, self.page_size) > self.kv.pool.num_pages:
                 raise RequestRejected(
                     f"prompt ({n}) + max_tokens ({limit}) needs {need} KV tokens, more than the capacity "
                     f"of {self.capacity}; admission={cfg.admission} reserves the whole output "
                     f"(lower max_tokens or use admission=optimistic)")
-        if len(self._waiting) >= cfg.max_queue:
+        if len(q.waiting) >= cfg.max_queue:
             raise QueueFull(f"waiting queue is full ({cfg.max_queue} requests)")
-        if len(self._entries) >= cfg.max_concurrency:
+        if len(q) >= cfg.max_concurrency:
             raise QueueFull(f"too many requests in flight ({cfg.max_concurrency})")
-        req.state = RequestState.WAITING
-        req.num_computed = 0
-        req.slots = []
-        self._seq += 1
-        e = Entry(req, self._seq, self._step, limit, self._rng.random())
-        self._entries[req.req_id] = e
-        self._waiting.append(e)
-        self.policy.on_add(e, self._waiting)
+        q.add(req, self._step, limit, self._rng.random())
 
     # ------------------------------------------------------------------ endings
     def abort(self, req_id: str, now: float) -> Optional[RequestOutput]:
         return self.finish(req_id, FinishReason.ABORT, now)
 
     def finish(self, req_id: str, reason: FinishReason, now: float) -> Optional[RequestOutput]:
-        e = self._entries.get(req_id)
+        e = self.queues.get(req_id)
         if e is None:
             return None
         return self._end(e, reason, now)
@@ -160,21 +154,14 @@ class Scheduler:
     def _end(self, e: Entry, reason: FinishReason, now: float, error: Optional[str] = None,
              new_tokens: Optional[list[int]] = None, logprobs=None) -> RequestOutput:
         req = e.req
-        st = req.state
-        if st is RequestState.RUNNING:
-            self._running.remove(e)
+        was = self.queues.end(e)
+        if was is RequestState.RUNNING:
             self.kv.release(e)
-        elif st is RequestState.WAITING:
-            self._waiting.remove(e)
-            self.policy.on_leave_queue(e, self._waiting)
-        elif st is RequestState.SWAPPED:
-            self._swapped.remove(e)
+        elif was is RequestState.SWAPPED:
             self.kv.drop_host(e)
-        req.state = RequestState.FINISHED
         req.finish_reason = reason
         req.finished_at = now
         req.error = error
-        del self._entries[req.req_id]
         self._finished.append(req.req_id)
         s = self._stats
         if reason is FinishReason.ABORT:
@@ -183,110 +170,68 @@ class Scheduler:
             s.errors += 1
         else:
             s.finished += 1
-        if not self._entries:
-            self._reset_ratio(self.cfg.new_token_ratio_init)
+        if not len(self.queues):
+            self.ratio.reset()
         return RequestOutput(req.req_id, new_token_ids=new_tokens or [], logprobs=logprobs or [],
                              finished=True, finish_reason=reason, error=error)
 
-    def _reset_ratio(self, base: float) -> None:
-        self._ratio_base = base
-        self._ratio_steps = 0
-
     # ------------------------------------------------------------------ admission
-    def _admission_state(self, ahead: int = 0, running: Optional[list[Entry]] = None) -> AdmissionState:
-        """What admission sees now, or after `ahead` more decode-only steps (fast path)."""
-        kv, lock = self.kv, self.admission.lockstep
-        spent, pairs, pinned = 0, [], []
-        for e in self._running if running is None else running:
-            spent += kv.decode_pages(e, ahead) if ahead else 0
-            lag = lock and e.in_prefill()     # a prefill spanning steps lags the decoders: pinned
-            p = kv.lockstep_pair(e, ahead) if lock and not lag else \
-                kv.pair(e, max(len(e.req.slots), e.req.num_computed + ahead))
-            (pinned if lag else pairs).append(p)
-        free = (kv.available_pages() - spent) * self.page_size
-        return self.admission.state(pairs, free, self.ratio_after(ahead), self.cfg.reserve_cap_tokens, pinned)
-
-    def _admission_order(self, step: int) -> list[Entry]:
-        """The waiting requests one admission attempt examines, in policy order."""
-        cfg = self.cfg
-        room = cfg.max_batch_size - len(self._running)
-        return list(islice(self.policy.order(self._waiting, step), max(room, 1) + cfg.lookahead + 1))
-
-    def _admit(self, e: Entry, adm: AdmissionState, now: float, resume_swap: bool = False, room: int = 0) -> bool:
-        if resume_swap:
-            own, b, locked = self.kv.swap_need(e)
-            if not adm.fits(own, b, locked):
-                return False
-            self._pending_swap_in.append(self.kv.swap_in(e, own))
-        else:
-            own, b, locked = self.kv.candidate_need(e)
-            pin = self.admission.lockstep and own > room    # its prefill will span steps: pinned
-            if not (adm.fits_pinned if pin else adm.fits)(own, b, locked):
-                return False
-            self.kv.admit(e, own)
-            self.policy.on_leave_queue(e, self._waiting)
-            self.policy.on_admit(e, not e.admitted_once)
-        (adm.add_pinned if not resume_swap and pin else adm.add)(own, b, locked)
-        req = e.req
-        e.synced = 0
-        req.state = RequestState.RUNNING
-        if req.admitted_at is None:
-            req.admitted_at = now
-        e.admitted_once = True
-        e.out_at_admit = len(req.output_ids)
-        self._admit_seq += 1
-        e.admit_seq = self._admit_seq
-        self._running.append(e)
+    def _admit(self, e: Entry, adm: AdmissionState, now: float, room: int) -> bool:
+        """Admit waiting e if it fits (the state `adm` then counts it)."""
+        own, b, locked = self.kv.candidate_need(e)
+        pin = self.mode.lockstep and own > room    # its prefill will span steps: pinned
+        if not (adm.fits_pinned if pin else adm.fits)(own, b, locked):
+            return False
+        self.kv.admit(e, own)
+        (adm.add_pinned if pin else adm.add)(own, b, locked)
+        self.queues.admit(e, now)
         return True
 
     def _try_swap_in(self, now: float, batch: ScheduledBatch) -> None:
-        if not self._swapped:
+        q = self.queues
+        if not q.swapped:
             return
         just_out = {op.req_id for op in batch.swap_out}
-        adm = self._admission_state()
+        adm = self.admission.state(q.running)
         pol = self.policy
-        top = max(map(pol.rank, self._waiting), default=None) if pol.ranked else None
-        while self._swapped and len(self._running) < self.cfg.max_batch_size:
-            e = pol.pick_swap_in(self._swapped, top)
+        top = max(map(pol.rank, q.waiting), default=None) if pol.ranked else None
+        while q.swapped and len(q.running) < self.cfg.max_batch_size:
+            e = pol.pick_swap_in(q.swapped, top)
             if e is None or e.req.req_id in just_out:
                 break        # swapped out in this very step: back no earlier than the next one
-            if not self._admit(e, adm, now, resume_swap=True):
+            own, b, locked = self.kv.swap_need(e)
+            if not adm.fits(own, b, locked):
                 break
-            self._swapped.remove(e)
-
-    def _undo_swap_in(self, e: Entry) -> None:
-        op = next(o for o in self._pending_swap_in if o.req_id == e.req.req_id)
-        self._pending_swap_in.remove(op)
-        self._running.remove(e)
-        self.kv.undo_swap_in(e, op)
-        e.req.state = RequestState.SWAPPED
-        self._swapped.appendleft(e)
+            batch.swap_in.append(self.kv.swap_in(e, own))
+            adm.add(own, b, locked)
+            q.resume(e, now)
 
     def _admit_waiting(self, budget: int, now: float, batch: ScheduledBatch) -> int:
         """Admit waiting requests in policy order; returns tokens scheduled."""
         cfg = self.cfg
         pol = self.policy
+        q = self.queues
         floor = None
-        if self._swapped:
-            floor = pol.swap_floor(self._swapped)
+        if q.swapped:
+            floor = pol.swap_floor(q.swapped)
             if floor is None:
                 return 0     # swapped requests come back first
-        adm = self._admission_state()
+        adm = self.admission.state(q.running)
         used = skipped = 0
-        admitted: list[Entry] = []
-        for e in self._admission_order(self._step):   # a snapshot: preemption may requeue victims
+        order = q.admission_order(self._step, cfg.max_batch_size - len(q.running), cfg.lookahead)
+        for e in order:      # a snapshot: preemption may requeue victims
             if budget - used <= 0:
                 break
             if floor is not None and pol.rank(e) <= floor:
                 continue     # not above every swapped request: those come back first
             blocked_by = None
-            if len(self._running) >= cfg.max_batch_size:
+            if len(q.running) >= cfg.max_batch_size:
                 blocked_by = "batch"
             elif not self._admit(e, adm, now, room=budget - used):
                 blocked_by = "kv"
-            if blocked_by is not None and pol.preempts and preemption.preempt_for(self, e, blocked_by, batch):
-                adm = self._admission_state()
-                if len(self._running) < cfg.max_batch_size and self._admit(e, adm, now, room=budget - used):
+            if blocked_by is not None and pol.preempts and self.preemption.preempt_for(e, blocked_by, batch):
+                adm = self.admission.state(q.running)
+                if len(q.running) < cfg.max_batch_size and self._admit(e, adm, now, room=budget - used):
                     blocked_by = None
             if blocked_by == "batch":
                 break
@@ -297,11 +242,8 @@ class Scheduler:
                 if skipped > cfg.lookahead:
                     break
                 continue
-            admitted.append(e)
             used += self._emit_prefill(e, budget - used, batch)
-        if admitted:
-            ids = set(map(id, admitted))
-            self._waiting = deque(x for x in self._waiting if id(x) not in ids)
+        q.close_admissions()
         return used
 
     # ------------------------------------------------------------------ batch building
@@ -326,20 +268,21 @@ class Scheduler:
         return chunk
 
     def schedule(self, now: float) -> ScheduledBatch:
-        cfg = self.cfg
-        self._continues_window = self.in_window
+        q = self.queues
+        shape = self.shape
+        shape.begin(bool(q.running))
         self._step += 1
         self._stats.begin_step()
         batch = ScheduledBatch(step=self._step)
-        self._pending_swap_in = []
-        preemption.debug_preempt(self, batch)
+        self.preemption.debug_preempt(self._step, batch)
         self._try_swap_in(now, batch)   # swapped requests come back before anything new is admitted
 
-        has_decode = any(not e.in_prefill() for e in self._running)
-        mixed = cfg.mixed_steps and self.admission.mixes_steps and has_decode
-        if mixed and self.policy.may_preempt_now(self._waiting, self._running):
-            mixed = False   # admit (and preempt) first, decodes follow next step
-        prefill_ok = step_gate.prefill_allowed(cfg, has_decode, self._since_prefill, self._consec_prefill, mixed)
+        has_decode = any(not e.in_prefill() for e in q.running)
+        # decodes ride along if the shape mixes, the admission mode allows it, and no waiting
+        # request is about to preempt a running one (it is admitted first; decodes follow)
+        mixed = (has_decode and shape.mixes and self.mode.mixes_steps
+                 and not self.policy.may_preempt_now(q.waiting, q.running))
+        prefill_ok = not has_decode or shape.prefill_allowed(mixed)
 
         used = 0
         if mixed:
@@ -353,32 +296,31 @@ class Scheduler:
         if prefill_ok:
             used = self._build_prefill(batch, used, now)
             if len(batch.seqs) > self._stats.last_decode_seqs:
-                self._consec_prefill += 1
-                self._since_prefill = 0
+                shape.done(prefilled=True)
                 return self._finish_batch(batch)
         if not mixed:
             self._build_decode(batch, now)
-        self._consec_prefill = 0
-        self._since_prefill += 1
+        shape.done(prefilled=False)
         return self._finish_batch(batch)
 
     def _build_prefill(self, batch: ScheduledBatch, used: int, now: float) -> int:
         cfg = self.cfg
         pol = self.policy
+        q = self.queues
         budget = cfg.max_num_tokens
-        started = [e for e in self._running if e.in_prefill()]
+        started = [e for e in q.running if e.in_prefill()]
         later: list[Entry] = []
-        if pol.ranked and self._waiting and started:
+        if pol.ranked and q.waiting and started:
             # the step's token budget is a resource too: a higher-ranked request waiting
             # goes before lower-ranked chunks already started
-            top = max(map(pol.rank, self._waiting))
+            top = max(map(pol.rank, q.waiting))
             later = [e for e in started if pol.rank(e) < top]
             started = [e for e in started if pol.rank(e) >= top]
         for e in started:
             if used >= budget:
                 break
             used += self._emit_prefill(e, budget - used, batch)
-        if used < budget and self._waiting and (len(self._running) < cfg.max_batch_size or pol.preempts):
+        if used < budget and q.waiting and (len(q.running) < cfg.max_batch_size or pol.preempts):
             used += self._admit_waiting(budget - used, now, batch)
         for e in later:
             if used >= budget:
@@ -388,14 +330,15 @@ class Scheduler:
         return used
 
     def _build_decode(self, batch: ScheduledBatch, now: float) -> None:
-        kv = self.kv
-        dec = [e for e in self._running   # not in prefill (inlined: this runs every step)
+        dec = [e for e in self.queues.running   # not in prefill (inlined: this runs every step)
                if e.req.num_computed >= len(e.req.prompt_ids) + len(e.req.output_ids) - 1]
         dec = dec[: self.cfg.max_num_tokens]
-        dec = preemption.make_room_for_decode(self, dec, batch, now)
-        if dec is None:
+        dec, doomed = self.preemption.make_room_for_decode(dec, batch)
+        if doomed is not None:
+            e, msg = doomed
+            self._deferred_outputs.append(self._end(e, FinishReason.ERROR, now, error=msg))
             return
-        kv.grow(dec, 1)   # one allocation: the same pages, in the same order, as one per request
+        self.kv.grow(dec, 1)   # one allocation: the same pages, in the same order, as one per request
         seqs = batch.seqs
         for e in dec:
             r = e.req
@@ -407,11 +350,9 @@ class Scheduler:
             e.synced = len(slots)
         self._stats.last_decode_seqs = len(dec)
         if dec:
-            self._ratio_steps += 1
+            self.ratio.decay()
 
     def _finish_batch(self, batch: ScheduledBatch) -> ScheduledBatch:
-        batch.swap_in = self._pending_swap_in
-        self._pending_swap_in = []
         if not batch.empty:     # an empty batch is not run: the ids wait for one that is
             batch.finished = self._finished
             self._finished = []
@@ -424,23 +365,13 @@ class Scheduler:
             self._stats.kv_peak_used = used
 
     # ------------------------------------------------------------------ results
-    def _take_tokens(self, e: Entry, toks: list[int], now: float) -> None:
-        """Append sampled tokens (one step's, or k fast-forwarded ones) and charge them."""
-        req = e.req
-        req.output_ids.extend(toks)
-        self._stats.generated_tokens += len(toks)
-        if self.policy.charges_tokens:
-            self.policy.on_tokens(e, len(toks))
-        if req.first_token_at is None:
-            req.first_token_at = now
-
     def on_step(self, batch: ScheduledBatch, result: StepResult, now: float) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
         if self._deferred_outputs:
             outs.extend(self._deferred_outputs)
             self._deferred_outputs = []
         tokens = result.tokens
-        entries = self._entries
+        entries = self.queues.entries
         RUNNING = RequestState.RUNNING
         for seq in batch.seqs:
             e = entries.get(seq.req_id)
@@ -461,16 +392,17 @@ class Scheduler:
             outs.append(self._accept(e, toks, lps, now))
         return outs
 
-    def _accept(self, e: Entry, toks: list[int], lps: list, now: float) -> RequestOutput:
-        """A step's sampled tokens for e, in order: they end it at the first stop id or at its
-        length limit (tokens past that point are dropped)."""
+    def _accept(self, e: Entry, toks: list[int], lps: list, now: float, last_only: bool = False) -> RequestOutput:
+        """Tokens sampled for e, in order: they end it at the first stop id or at its length
+        limit (tokens past that point are dropped). last_only: the caller has made sure no
+        token before the last stops it (the fast path)."""
         req = e.req
         stop = e.stop_ids
         reason = None
-        if len(toks) == 1:     # one token per step (no speculation): the common case, kept short
-            if toks[0] in stop:
+        if len(toks) == 1 or last_only:      # one token per step: the common case, kept short
+            if toks[-1] in stop:
                 reason = FinishReason.STOP
-            elif len(req.output_ids) + 1 >= e.limit:
+            elif len(req.output_ids) + len(toks) >= e.limit:
                 reason = FinishReason.LENGTH
         else:
             toks = toks[: max(0, e.limit - len(req.output_ids))]
@@ -480,48 +412,90 @@ class Scheduler:
             elif len(req.output_ids) + len(toks) >= e.limit:
                 reason = FinishReason.LENGTH
             lps = lps[: len(toks)]
-        self._take_tokens(e, toks, now)
+        req.output_ids.extend(toks)
+        self._stats.generated_tokens += len(toks)
+        if self.policy.charges_tokens:
+            self.policy.on_tokens(e, len(toks))
+        if req.first_token_at is None:
+            req.first_token_at = now
         if reason is not None:
             return self._end(e, reason, now, new_tokens=toks, logprobs=lps)
         return RequestOutput(req.req_id, new_token_ids=toks, logprobs=lps)
 
-    @property
-    def in_window(self) -> bool:   # see step_gate.in_window
-        return step_gate.in_window(self.cfg, self._since_prefill, bool(self._running))
-
-    def window_cost(self, step_time: float, fixed_overhead: float) -> float:
-        """What the last scheduled step costs: vLLM v0.6 multi-step runs the scheduler and
-        prepares the inputs once per window (the fixed overhead, paid at its first step);
-        every token still goes through output processing, so the per-request term stays."""
-        return max(0.0, step_time - fixed_overhead) if self._continues_window else step_time
-
     # ------------------------------------------------------------------ fast path (simulator)
+    def _horizon_key(self) -> tuple:
+        """Changes with every call that can change a horizon: schedule() (the step counter),
+        add() (the arrival counter), an ending (the entries), on_step() (tokens sampled)."""
+        return self._step, self.queues.arrivals, len(self.queues), self._stats.generated_tokens
+
     def decode_horizon(self, now: float, finishing: bool = False) -> int:
-        return fast_path.decode_horizon(self, now, finishing)
+        """How many next steps can only be the same decode-only batch (fast_path.py)."""
+        h = 0 if self._deferred_outputs else self._horizon(self._step, finishing)
+        if finishing:
+            self._horizon_memo = (self._horizon_key(), h)   # fast_forward checks against it
+        return h
 
     def fast_forward(self, k: int, tokens: dict[str, list[int]], now: float) -> list[RequestOutput]:
-        return fast_path.fast_forward(self, k, tokens, now)
+        """k decode steps at once (k <= decode_horizon(finishing=True)): tokens maps every running
+        req_id to the k tokens it sampled; only the last may stop it. Same effect on state as k
+        schedule()/on_step() pairs (KV slots, step counter, counters, growth ratio, VTC charges,
+        the requests that end at the k-th step) and one RequestOutput per request with its k
+        tokens. Raises ValueError beyond the horizon or when an earlier token would stop a
+        request (then step normally). Requests that ended before reach the executor with the
+        next batch that runs, and so do the k steps' new slots: nothing runs in between."""
+        if k <= 0:
+            return []
+        memo = self._horizon_memo
+        h = memo[1] if memo is not None and memo[0] == self._horizon_key() else \
+            (0 if self._deferred_outputs else self._horizon(self._step, True))
+        if k > h:
+            raise ValueError(f"fast_forward({k}) beyond decode_horizon()={h}")
+        running = self.queues.running
+        for e in running:
+            toks = tokens.get(e.req.req_id)
+            if toks is None or len(toks) != k:
+                raise ValueError(f"fast_forward: need {k} tokens for {e.req.req_id}")
+            stop = e.stop_ids
+            if not stop.isdisjoint(toks) and (toks[-1] not in stop or not stop.isdisjoint(toks[:-1])):
+                raise ValueError(f"fast_forward: a token before the last would stop {e.req.req_id}; step normally")
+        self.kv.grow(running, k)
+        # what schedule() does before the step's on_step: counters, then the KV peak
+        st = self._stats
+        self._step += k
+        self.ratio.decay(k)
+        self.shape.skip(k)
+        st.begin_step()
+        st.last_decode_seqs = len(running)
+        self._note_peak()
+        outs = []
+        for e in list(running):    # on_step's order: tokens, then the end of a request that stops
+            e.req.num_computed += k
+            outs.append(self._accept(e, tokens[e.req.req_id], [], now, last_only=True))
+        return outs
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> SchedulerSnapshot:
-        return SchedulerSnapshot(self._step, self.kv.used_tokens(), len(self._running), len(self._waiting),
-                                 len(self._swapped), self._stats.preemptions)
+        q = self.queues
+        return SchedulerSnapshot(self._step, self.kv.used_tokens(), len(q.running), len(q.waiting),
+                                 len(q.swapped), self._stats.preemptions)
 
     def stats(self) -> SchedulerStats:
         s = self._stats
+        q = self.queues
         s.step = self._step
-        s.num_running = len(self._running)
-        s.num_waiting = len(self._waiting)
-        s.num_swapped = len(self._swapped)
+        s.num_running = len(q.running)
+        s.num_waiting = len(q.waiting)
+        s.num_swapped = len(q.swapped)
         s.kv_free = self.kv.pool.free_tokens
         s.kv_evictable = self.kv.evictable_tokens
         s.kv_used = self.capacity - s.kv_free - s.kv_evictable
         s.kv_host_used = self.kv.host_used
-        s.new_token_ratio = self.new_token_ratio
-        s.num_prefilling = sum(1 for e in self._running if e.in_prefill())
+        s.new_token_ratio = self.ratio.value
+        s.num_prefilling = sum(1 for e in q.running if e.in_prefill())
         return SchedulerStats(**s.__dict__)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the KV bookkeeping is off (see KVManager.check)."""
-        self.kv.check(self._running, self._waiting, self._swapped)
-        assert len(self._entries) == len(self._running) + len(self._waiting) + len(self._swapped)
+        q = self.queues
+        self.kv.check(q.running, q.waiting, q.swapped)
+        q.check()

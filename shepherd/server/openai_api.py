@@ -62,7 +62,7 @@ class ApiContext:
             self.aliases.add(str(engine.cfg.model))
         self.tok = engine.tokenizer
         if cfg.chat_template:
-            self.tok.chat_template, self.tok._template = cfg.chat_template, None
+            self.tok.set_chat_template(cfg.chat_template)
         self.takes_tools = tools.template_takes_tools(getattr(self.tok, "chat_template", None))
         self.tokstr = TokenStrings(self.tok)
         self.ctx_len = engine.max_model_len

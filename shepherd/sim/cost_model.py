@@ -286,6 +286,11 @@ class RooflineCostModel(CostModel):
     def overhead(self) -> tuple[float, float]:
         return (self._ovh, self._seq_ovh)
 
+    def unit_costs(self) -> dict[str, float]:
+        """Seconds per context token read, per prefill attention pair and per sampled token:
+        the roofline's terms a fitted model borrows for what its profile does not measure."""
+        return {"ctx_tokens": self._mem_ctx, "prefill_pairs": self._c_pair, "sampled": self._c_samp}
+
     def kv_capacity_tokens(self, mem_fraction: float = 0.9, reserve_bytes: float = 1.0 * GiB,
                            page_size: int = 1) -> int:
         """KV pool in tokens: (device memory x fraction - weights - activations reserve),
@@ -305,41 +310,10 @@ class RooflineCostModel(CostModel):
                 "num_params": m.num_params}
 
 
-# --------------------------------------------------------------------------
-# one entry point for the CLI
-# --------------------------------------------------------------------------
-
-def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
-                    cost_model: Optional[str] = None, step_overhead: Optional[float] = None,
-                    seq_overhead: Optional[float] = None, overlap: Optional[bool] = None,
-                    frontend: Optional[float] = None) -> CostModel:
-    """--cost-model: a JSON file written by `shepherd calibrate` (or any fitted
-    model), 'roofline' (default), 'vidur' or 'splitwise'; --step-overhead and
-    --seq-overhead replace the model's per-step overhead terms; --overlap-output
-    sets overlap (None keeps the model's own: off, or what its JSON says)."""
-    if cost_model in (None, "", "roofline"):
-        cm: CostModel = RooflineCostModel(model, gpu, tp=tp)
-    else:
-        from shepherd.sim.fitted_cost import from_splitwise, from_vidur, load_cost_model
-        if cost_model == "vidur":
-            cm = from_vidur(model, gpu, tp=tp)
-        elif cost_model == "splitwise":
-            cm = from_splitwise(model, gpu, tp=tp)
-        else:
-            cm = load_cost_model(cost_model)
-    if step_overhead is not None or seq_overhead is not None or overlap is not None:
-        cm.set_overhead(step_overhead, seq_overhead, overlap)
-    if frontend is not None:
-        if frontend < 0:
-            raise ValueError(f"frontend latency must be >= 0 seconds, got {frontend}")
-        cm.frontend = float(frontend)
-    return cm
-
-
 def vllm_h100_itl(context: int) -> float:
     """The published reference: Llama-3-8B on one H100, single request, seconds."""
     return (6.44 + 4.37e-5 * context) / 1e3
 
 
 __all__ = ["BatchShape", "batch_shape", "ModelSpec", "GPUSpec", "MODELS", "GPUS", "get_model", "get_gpu",
-           "CostModel", "RooflineCostModel", "make_cost_model", "vllm_h100_itl"]
+           "CostModel", "RooflineCostModel", "vllm_h100_itl"]

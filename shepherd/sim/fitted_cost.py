@@ -303,13 +303,13 @@ def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str 
     lm_head = m.embedding_params * m.dtype_bytes / (g.hbm_bw * g.mem_eff * tp)
     xs = sorted(table)
     ys = [table[x] + lm_head for x in xs]
-    coef = {"ctx_tokens": roof._mem_ctx, "prefill_pairs": roof._c_pair, "sampled": roof._c_samp}
+    coef = roof.unit_costs()
     # the preset's overhead as the model's own (not in the table), so --step-overhead replaces it
     # as it does the roofline's, and multi-step pays it once per window
     return FittedCostModel(grid_tokens=xs, grid_s=ys, coef=coef, kv_bytes_per_token=m.kv_bytes_per_token,
                            pcie_bw=roof.pcie_bw, name=f"vidur:{m.name}/{g.name}" + (f"x{tp}" if tp > 1 else ""),
                            meta={"source": source, "kv_capacity_tokens": roof.kv_capacity_tokens()},
-                           cpu_fixed=roof._ovh, cpu_per_req=roof._seq_ovh)
+                           cpu_fixed=roof.overhead[0], cpu_per_req=roof.overhead[1])
 
 
 def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
@@ -343,4 +343,36 @@ def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
 
 
 
-__all__ = ["FEATURES", "FittedCostModel", "load_cost_model", "fit_cost_model", "from_vidur", "from_splitwise"]
+# --------------------------------------------------------------------------
+# one entry point for the CLI
+# --------------------------------------------------------------------------
+
+def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
+                    cost_model: Optional[str] = None, step_overhead: Optional[float] = None,
+                    seq_overhead: Optional[float] = None, overlap: Optional[bool] = None,
+                    frontend: Optional[float] = None) -> CostModel:
+    """--cost-model: a JSON file written by `shepherd calibrate` (or any fitted
+    model), 'roofline' (default), 'vidur' or 'splitwise'; --step-overhead and
+    --seq-overhead replace the model's per-step overhead terms; --overlap-output
+    sets overlap (None keeps the model's own: off, or what its JSON says)."""
+    if cost_model in (None, "", "roofline"):
+        cm: CostModel = RooflineCostModel(model, gpu, tp=tp)
+    else:
+        if cost_model == "vidur":
+            cm = from_vidur(model, gpu, tp=tp)
+        elif cost_model == "splitwise":
+            cm = from_splitwise(model, gpu, tp=tp)
+        else:
+            cm = load_cost_model(cost_model)
+    if step_overhead is not None or seq_overhead is not None or overlap is not None:
+        cm.set_overhead(step_overhead, seq_overhead, overlap)
+    if frontend is not None:
+        if frontend < 0:
+            raise ValueError(f"frontend latency must be >= 0 seconds, got {frontend}")
+        cm.frontend = float(frontend)
+    return cm
+
+
+
+__all__ = ["FEATURES", "FittedCostModel", "load_cost_model", "fit_cost_model", "from_vidur", "from_splitwise",
+           "make_cost_model"]

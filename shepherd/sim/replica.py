@@ -6,19 +6,19 @@ loop and the fast path are described in sim/simulator.py.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from shepherd.bench.records import RequestRecord
 from shepherd.bench.traces import token_objects
+from shepherd.config import SchedulerConfig
 from shepherd.engine.build import assemble
 from shepherd.engine.core import VirtualClock
 from shepherd.engine.sim_executor import SimExecutor, SimSeq
 from shepherd.request import FinishReason, Request, RequestState
-
-if TYPE_CHECKING:
-    from shepherd.sim.simulator import Simulator
+from shepherd.sim.cost_model import CostModel
 
 TS_POINTS = 2048     # time-series points kept per replica (thinned by halves beyond)
 
@@ -195,30 +195,42 @@ def probe(sched) -> tuple[int, int, int, int, int]:
     return sn.kv_used, sched.kv.evictable_tokens, sn.num_running, sn.num_waiting + sn.num_swapped, sn.preemptions
 
 
+@dataclass
+class ReplicaSpec:
+    """What every replica of a simulation is built from (the simulator sizes it once)."""
+    sched_cfg: SchedulerConfig          # validated, its max_total_tokens the KV capacity
+    cost: CostModel
+    host_kv: int
+    max_model_len: int
+    vocab: int
+    fast: bool = True
+    timeseries: bool = True
+    record_batches: bool = False
+
+
 class Replica:
-    def __init__(self, idx: int, sim: "Simulator"):
+    def __init__(self, idx: int, spec: ReplicaSpec, on_finish: Callable[["Replica", Track], None]):
         self.idx = idx
-        self.sim = sim
-        cfg = sim.cfg
-        self.cost = sim.cost
-        self.kv_capacity = sim.kv_capacity
+        self.on_finish = on_finish       # told of every request that ends here
+        self.cost = spec.cost
+        self.kv_capacity = spec.sched_cfg.max_total_tokens
         # swap time is in the cost model's step time (PCIe transfer), not the executor's flat rate
-        self.exec = SimTokens(kv_capacity=sim.kv_capacity, host_kv_capacity=sim.host_kv,
-                              max_model_len=sim.max_model_len, eos_token_id=2, step_time=sim.cost.step_time,
-                              swap_time_per_token=0.0, vocab_size=sim.vocab, check=False)
-        self.core = assemble(sim.sched_cfg, self.exec, VirtualClock(self._charge))
+        self.exec = SimTokens(kv_capacity=self.kv_capacity, host_kv_capacity=spec.host_kv,
+                              max_model_len=spec.max_model_len, eos_token_id=2, step_time=spec.cost.step_time,
+                              swap_time_per_token=0.0, vocab_size=spec.vocab, check=False)
+        self.core = assemble(spec.sched_cfg, self.exec, VirtualClock(self._charge))
         self.sched = self.core.scheduler
         self.clock = 0.0
         self.tracks: dict[str, Track] = {}
         # multi-step windows hand tokens out at the window's end, which the fast path's
         # per-step token times would not; 500-request runs step one by one quickly enough
-        self.fast = cfg.fast and sim.sched_cfg.multi_step <= 1
-        self.ts = Series(4) if cfg.timeseries else None     # kv_used, kv_cached, running, waiting
+        self.fast = spec.fast and not self.sched.shape.windowed
+        self.ts = Series(4) if spec.timeseries else None     # kv_used, kv_cached, running, waiting
         self.cached_peak = 0
         self.steps = 0
         self.fast_steps = 0
         self.last_preempt = 0
-        self.batches = [] if cfg.record_batches else None
+        self.batches = [] if spec.record_batches else None
         self.requests = 0
         self.prompt_tokens = 0
         self.output_tokens = 0
@@ -244,7 +256,7 @@ class Replica:
     def _charge(self, step_time: float) -> float:
         """A step's time on the virtual clock: the step shape's window cost of the cost
         model's time (vLLM v0.6 windows pay the fixed step overhead once)."""
-        return self.sched.window_cost(step_time, self.cost.overhead[0])
+        return self.sched.shape.window_cost(step_time, self.cost.overhead[0])
 
     # -- intake ------------------------------------------------------------
     def add(self, tr: Track, now: float) -> bool:
@@ -368,7 +380,7 @@ class Replica:
         self.exec.output_lens.pop(rid, None)
         self.exec.tokens_by_req.pop(rid, None)
         self.output_tokens += tr.ntok
-        self.sim.on_finish(self, tr)
+        self.on_finish(self, tr)
 
     # -- fast path ---------------------------------------------------------------
     def _plan(self):

@@ -181,9 +181,9 @@ def run_title(args) -> str:
 
 def main(args) -> int:
     from shepherd.bench.report import format_table, write_report
-    from shepherd.sim.cost_model import make_cost_model
+    from shepherd.sim.fitted_cost import make_cost_model
     from shepherd.sim.simulator import SimConfig, Simulator
-    from shepherd.bench.traces import TraceFormatError
+    from shepherd.bench.trace_formats import TraceFormatError
 
     try:
         sched = scheduler_config(args)

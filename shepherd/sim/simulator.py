@@ -62,8 +62,9 @@ from shepherd.bench.traces import prompt_token_ids
 from shepherd.config import SchedulerConfig, host_pool_tokens, whole_pages
 from shepherd.request import Request, SamplingParams
 from shepherd.sim.cache_bounds import HitRateBounds
-from shepherd.sim.cost_model import CostModel, RooflineCostModel, make_cost_model
-from shepherd.sim.replica import Replica, Track
+from shepherd.sim.cost_model import CostModel, RooflineCostModel
+from shepherd.sim.fitted_cost import make_cost_model
+from shepherd.sim.replica import Replica, ReplicaSpec, Track
 
 GC_YOUNG_THRESHOLD = 20_000     # see Simulator.run
 
@@ -221,6 +222,7 @@ class Simulator:
             except KeyError:
                 self.vocab = 32000
         self._router = None
+        self._rr = -1                # the built-in round robin's last choice (routing/ missing)
         self._routes: dict = {}
 
     # -- routing -----------------------------------------------------------------
@@ -243,7 +245,7 @@ class Simulator:
 
     def _choose(self, tr: TraceRequest, req: Request, now: float) -> int:
         if self._router is None:   # built-in round robin (routing.py missing)
-            self._rr = getattr(self, "_rr", -1) + 1
+            self._rr += 1
             return self._rr % self.cfg.replicas
         R, policy, states = self._router
         if not self._lazy:
@@ -319,7 +321,9 @@ class Simulator:
         if isinstance(trace, (list, tuple)):
             total = len(trace)
             trace = sorted(trace, key=lambda r: r.arrival)
-        self.replicas = [Replica(i, self) for i in range(cfg.replicas)]
+        spec = ReplicaSpec(self.sched_cfg, self.cost, self.host_kv, self.max_model_len, self.vocab, fast=cfg.fast,
+                           timeseries=cfg.timeseries, record_batches=cfg.record_batches)
+        self.replicas = [Replica(i, spec, self.on_finish) for i in range(cfg.replicas)]
         self._router = self._make_router()
         self._lazy = self._router is None or cfg.router in LAZY_POLICIES
         self._skip_quiet = cfg.skip_quiet and cfg.router in COUNT_POLICIES
@@ -386,7 +390,7 @@ class Simulator:
             prefix_hit_tokens=sum(s.prefix_hit_tokens for s in stats),
             preemptions=sum(s.preemptions for s in stats),
             steps=sum(r.steps for r in self.replicas), fast_steps=sum(r.fast_steps for r in self.replicas),
-            wall_s=wall, config=cfg, cost_model=getattr(self.cost, "name", "?"),
+            wall_s=wall, config=cfg, cost_model=self.cost.name,
             batches=batches, replica_stats=stats, replicas=[r.counters() for r in self.replicas],
             routing=routing, hit_rate_bounds=bounds.result() if bounds is not None else {})
 
