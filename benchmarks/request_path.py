@@ -10,9 +10,10 @@ hook on (SIGUSR1 to both processes), sends one streaming chat completion with th
 `openai` client, turns it off (SIGUSR2) and prints, per process and in total:
 
   files    the shepherd files in which at least one function ran for the request
-  visits   the distinct hand-offs between them: a call from a function in file A into one in
-           file B (A != B) counts once however often it repeats (every token repeats them)
-  calls    how many calls crossed a file boundary in all (grows with the tokens)
+  visits   the distinct hand-offs into a file: a call from a function in file A into one in
+           file B (A != B), or from outside shepherd (the event loop, uvicorn, a library) into B,
+           counts once however often it repeats (every token repeats them)
+  calls    how many calls crossed into a file in all (grows with the tokens)
 
 The server's own timers (the core-process watchdog check, once a second) run inside the window
 as well; they are part of what serving a request costs, and visit no file the request does not.
@@ -100,8 +101,10 @@ def report(traces: list[dict], text: str, server_pid: int) -> None:
     all_edges: set = set()
     calls = 0
     for t in traces:
+        if not t["files"]:
+            continue         # a helper process of multiprocessing (resource tracker): no shepherd code ran
         role = "server" if t["pid"] == server_pid else "engine core"
-        edges = [(a, b, n) for a, b, n in t["edges"] if a != "(outside)"]
+        edges = [(a, b, n) for a, b, n in t["edges"]]
         print(f"{role} (pid {t['pid']}): {len(t['files'])} files, {len(edges)} visits, "
               f"{sum(n for *_, n in edges)} cross-file calls")
         for f, n in sorted(t["files"].items()):

@@ -2,9 +2,9 @@
 request_path.py sets it for `shepherd serve`, whose engine-core process inherits it).
 
 With SHEPHERD_PATH_TRACE=DIR it installs a profile hook in every thread that stays idle until
-SIGUSR1; from then on each call into a shepherd file is counted with the shepherd file that
-called it, until SIGUSR2 writes DIR/<pid>.json: the files entered and the caller -> callee
-hand-offs between files, with counts."""
+SIGUSR1; from then on each call into a shepherd file is counted with the file of its direct
+caller (a library's frame, such as the event loop's, counts as "(outside)"), until SIGUSR2
+writes DIR/<pid>.json: the files entered and the caller -> callee hand-offs, with counts."""
 import os
 
 _DIR = os.environ.get("SHEPHERD_PATH_TRACE")
@@ -33,13 +33,8 @@ if _DIR:
         if callee is None:
             return
         _files[callee] += 1
-        back = frame.f_back
-        caller = None
-        while back is not None:
-            caller = _rel(back.f_code.co_filename)
-            if caller is not None:
-                break
-            back = back.f_back
+        back = frame.f_back         # the direct caller: a library (the event loop, uvicorn) is "outside"
+        caller = _rel(back.f_code.co_filename) if back is not None else None
         if caller != callee:
             edge = (caller or "(outside)", callee)
             if edge not in _edges:

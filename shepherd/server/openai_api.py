@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shepherd.config import ServerConfig
 from shepherd.engine.engine import Engine
 from shepherd.engine.metrics import CONTENT_TYPE_LATEST
-from shepherd.request import SamplingParams
+from shepherd.request import SamplingParams, context_error
 from shepherd.server import tools
 from shepherd.server.chat_api import ChatRoutes
 from shepherd.server.common import APIError, TokenStrings, error_response, validation_message
@@ -93,7 +93,7 @@ class ApiContext:
 
     def resolve_max_tokens(self, prompt_len: int, requested: Optional[int], default: Optional[int]) -> int:
         ctx_len, cap = self.ctx_len, self.engine.kv_capacity
-        if prompt_len >= ctx_len or prompt_len + 1 > cap:
+        if context_error(prompt_len, min(ctx_len, cap)) is not None:     # the one rule (request.py)
             raise APIError(400, f"This model's maximum context length is {min(ctx_len, cap)} tokens. However, "
                                 f"your prompt has {prompt_len} tokens; please shorten it.",
                            param="messages" if default is None else "prompt", code="context_length_exceeded")
