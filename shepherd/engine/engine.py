@@ -45,6 +45,7 @@ from shepherd.engine.metrics import EngineMetrics
 from shepherd.engine.output import EngineOutput, OutputProcessor, RequestStream, answer_admission
 from shepherd.request import Request, SamplingParams
 from shepherd.scheduler.scheduler import QueueFull, RequestRejected, SchedulerStats
+from shepherd.step import Executor
 
 logger = logging.getLogger("shepherd.engine")
 
@@ -171,7 +172,7 @@ class EngineFront:
 class Engine(EngineFront):
     """The core in a dedicated thread of this process (scheduler state is touched only there)."""
 
-    def __init__(self, cfg: EngineConfig, executor: Any = None, tokenizer: Any = None,
+    def __init__(self, cfg: EngineConfig, executor: Optional[Executor] = None, tokenizer: Any = None,
                  on_watchdog: Optional[Callable[[float], None]] = None):
         self.served = build_served_core(cfg, executor, tokenizer)
         self.core = self.served.core
