@@ -11,8 +11,8 @@ from shepherd.model import kernels, quant
 
 
 def _gguf_tensor(path, name):
-    from shepherd.model.loader import _gguf_reader
-    return next(t for t in _gguf_reader(path).tensors if t.name == name)
+    from shepherd.model.gguf_file import gguf_reader
+    return next(t for t in gguf_reader(path).tensors if t.name == name)
 
 
 def test_q4_1_blocks_load_bit_exact(default_model_path):
