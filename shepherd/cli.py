@@ -1,4 +1,4 @@
-"""`shepherd serve | gateway | simulate | calibrate | bench`.
+"""`shepherd serve | gateway | simulate | calibrate | bench | ray-serve`.
 
 Each subcommand lives beside the code it drives and exposes
 `add_arguments(parser)` and `main(args) -> int`; this file only dispatches,
@@ -16,6 +16,7 @@ COMMANDS = {
     "simulate": ("shepherd.sim.sim_cli", "simulate a serving cluster on a trace"),
     "calibrate": ("shepherd.sim.calibrate", "time the torch executor and fit a cost model"),
     "bench": ("shepherd.bench.bench_cli", "load an OpenAI endpoint and report latency/throughput"),
+    "ray-serve": ("shepherd.deploy.ray_cli", "serve replicas on a Ray cluster (Ray Serve), shepherd's routing"),
 }
 
 

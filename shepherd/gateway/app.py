@@ -45,22 +45,18 @@ from typing import Optional
 from urllib.parse import parse_qs
 
 import httpx
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shepherd.gateway.backends import Backend, BackendPool, normalize_url
 from shepherd.gateway.gw_metrics import GatewayMetrics
 from shepherd.gateway.http1 import Http1Pool, Response, UpstreamError
-from shepherd.gateway.intake import BadRequest, Disconnected, send_json, error_body, route_request_from
+from shepherd.gateway.intake import (BadRequest, Disconnected, error_body, json_500_on_error, json_object, read_body,
+                                     route_request_from, send_json, send_metrics, split_headers, usage_tokens,
+                                     watch_disconnect)
 from shepherd.routing import NoReplicaAvailable, RouteRequest, RoutingPolicy
 
 log = logging.getLogger("shepherd.gateway")
 
 PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
-# request headers never forwarded to a backend
-_DROP_REQ = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding",
-             b"te", b"trailer", b"upgrade", b"proxy-connection", b"proxy-authorization",
-             b"accept-encoding", b"expect"}
 # response headers never copied back to the client
 _DROP_RESP = {"content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
               "upgrade", "date", "server"}
@@ -139,19 +135,7 @@ class Gateway:
     async def __call__(self, scope, receive, send) -> None:
         t = scope["type"]
         if t == "http":
-            started = False
-
-            async def send_seen(msg):
-                nonlocal started
-                started = started or msg["type"] == "http.response.start"
-                await send(msg)
-            try:
-                await self._http(scope, receive, send_seen)
-            except Exception as e:  # noqa: BLE001 - a gateway bug answers in JSON, never plain text
-                log.exception("gateway error")
-                if not started:
-                    await send_json(send, 500, error_body(f"gateway error: {type(e).__name__}",
-                                                           "server_error", 500))
+            await json_500_on_error(self._http, scope, receive, send, "gateway", log)
         elif t == "lifespan":
             await self._lifespan(receive, send)
 
@@ -183,11 +167,7 @@ class Gateway:
                                     {"status": "ok" if n else "no healthy backend", "healthy_backends": n,
                                      "backends": len(self.pool.replicas())})
         if path == "/metrics" and method == "GET":
-            data = generate_latest(self.metrics.registry)
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
-                                    (b"content-length", str(len(data)).encode())]})
-            return await send({"type": "http.response.body", "body": data})
+            return await send_metrics(send, self.metrics.registry)
         if path == "/v1/models" and method == "GET":
             return await self._models(scope, send)
         if path == "/admin/backends":
@@ -195,22 +175,6 @@ class Gateway:
         return await send_json(send, 404, error_body(f"no route {method} {path}", "not_found_error"))
 
     # --- helpers -----------------------------------------------------------------------
-    async def _read_body(self, receive) -> bytes:
-        chunks = []
-        size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise Disconnected()
-            b = msg.get("body", b"")
-            if b:
-                size += len(b)
-                if size > self.cfg.max_body_bytes:
-                    raise BadRequest(f"request body larger than {self.cfg.max_body_bytes} bytes", status=413)
-                chunks.append(b)
-            if not msg.get("more_body", False):
-                return b"".join(chunks)
-
     async def _models(self, scope, send) -> None:
         assert self.client is not None
         bs = [b for b in self.pool.backends() if b.healthy]
@@ -241,7 +205,7 @@ class Gateway:
         if method not in ("POST", "DELETE"):
             return await send_json(send, 405, error_body(f"{method} not allowed on /admin/backends"))
         try:
-            body = await self._read_body(receive)
+            body = await read_body(receive, self.cfg.max_body_bytes)
         except Disconnected:
             return
         except BadRequest as e:
@@ -273,21 +237,9 @@ class Gateway:
     async def _proxy(self, scope, receive, send, path: str) -> None:
         m = self.metrics
         try:
-            body = await self._read_body(receive)
-            try:
-                payload = json.loads(body)
-            except (ValueError, RecursionError):
-                raise BadRequest("request body is not valid JSON (or nested too deeply)") from None
-            if not isinstance(payload, dict):
-                raise BadRequest("request body must be a JSON object")
-            hdrs = {}
-            fwd = []
-            for k, v in scope["headers"]:
-                lk = k.lower()
-                if lk.startswith(b"x-"):
-                    hdrs[lk.decode("latin-1")] = v.decode("latin-1")
-                if lk not in _DROP_REQ:
-                    fwd.append((k, v))
+            body = await read_body(receive, self.cfg.max_body_bytes)
+            payload = json_object(body)
+            fwd, hdrs = split_headers(scope["headers"])
             rr = route_request_from(payload, path == "/v1/chat/completions", hdrs, time.monotonic())
         except Disconnected:
             m.errors.labels("client_abort").inc()
@@ -295,42 +247,12 @@ class Gateway:
         except BadRequest as e:
             m.errors.labels("bad_request").inc()
             return await send_json(send, e.status, error_body(e.message, param=e.param, code=e.status))
-
-        # From here on a client disconnect cancels this task (the watcher), so
-        # every await below may raise CancelledError and every finally runs.
-        # Once the last body message is handed to the server the answer is
-        # complete and a disconnect no longer matters (uvicorn reports one
-        # as soon as the response is complete).
-        task = asyncio.current_task()
-        flags = {"complete": False, "gone": False}
-
-        async def send_tracked(msg):
-            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
-                flags["complete"] = True
-            await send(msg)
-
-        async def watch():
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    if not flags["complete"]:
-                        flags["gone"] = True
-                        task.cancel()
-                    return
-
-        watcher = asyncio.ensure_future(watch())
         self.in_flight += 1
         try:
-            await self._dispatch(send_tracked, path, body, fwd, rr)
-        except asyncio.CancelledError:
-            if not flags["gone"]:
-                raise
-            if hasattr(task, "uncancel"):       # Python >= 3.11
-                task.uncancel()
-            m.errors.labels("client_abort").inc()
+            if not await watch_disconnect(receive, send, lambda s: self._dispatch(s, path, body, fwd, rr)):
+                m.errors.labels("client_abort").inc()
         finally:
             self.in_flight -= 1
-            watcher.cancel()
 
     async def _dispatch(self, send, path, body, fwd, rr: RouteRequest) -> None:
         m, cfg, pool = self.metrics, self.cfg, self.pool
@@ -421,7 +343,7 @@ class Gateway:
                         pool.record_failure(backend, f"{e.kind}: {e}")
                         return False, f"{e.kind}: {e} reading the body ({backend.url})", None
                     if self._count_output and status == 200:
-                        out_tokens = _usage_tokens(data)
+                        out_tokens = usage_tokens(data)
                     headers = self._resp_headers(resp, backend)
                     headers.append((b"content-length", str(len(data)).encode()))
                     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -476,11 +398,3 @@ class Gateway:
                         "body": b"data: " + json.dumps(ev).encode() + b"\n\n", "more_body": True})
             return n, True
         return n, False
-
-
-def _usage_tokens(data: bytes) -> int:
-    try:
-        u = json.loads(data).get("usage") or {}
-        return int(u.get("completion_tokens") or 0)
-    except (ValueError, AttributeError, TypeError):
-        return 0

@@ -1,0 +1,146 @@
+"""One shepherd replica inside a Ray Serve deployment.
+
+A replica is what `shepherd serve` runs, minus uvicorn: the engine (with its
+engine-core process, built from the same flags by serve_cli) and shepherd's
+own OpenAI app (`server/openai_api.build_app`). The ingress forwards each
+HTTP request as an `HttpCall`; `serve_http` runs it through that app in
+process and streams the app's ASGI messages back, so validation, 4xx bodies,
+429 with Retry-After, auth and SSE are the server's code, unchanged.
+
+Ray reads `record_routing_stats()` (running, waiting, KV use, prefix-cache
+counters) for the router, and `check_health()` (the engine-core process is
+alive) to replace a replica whose core died. With `http=True` the replica
+also serves its app on a port of its own node (its URL is in the routing
+stats), so a `shepherd gateway` or a benchmark can reach the same replicas
+directly.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Optional
+
+from shepherd.deploy.ray_call import HttpCall
+from shepherd.server import serve_cli
+
+log = logging.getLogger("shepherd.deploy")
+
+REPLICA_HEADER = b"x-shepherd-replica"
+
+
+def parse_serve_args(argv: "list[str] | argparse.Namespace") -> argparse.Namespace:
+    """`shepherd serve` flags (a list of strings, or an already parsed namespace) -> namespace."""
+    if isinstance(argv, argparse.Namespace):
+        return argv
+    p = argparse.ArgumentParser(prog="shepherd serve", add_help=False)
+    serve_cli.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+class ShepherdReplica:
+    """The Ray Serve deployment class (ray_serve.py wraps it with `serve.deployment`)."""
+
+    async def __init__(self, serve_args: "list[str] | argparse.Namespace", http: bool = False) -> None:
+        from ray import serve
+        from shepherd.server.openai_api import build_app
+
+        args = parse_serve_args(serve_args)
+        eng_cfg, srv_cfg = serve_cli.build_configs(args)
+        # built on this (Ray's user-code) thread, which lives as long as the replica: the
+        # engine-core process dies with the thread that started it (PR_SET_PDEATHSIG)
+        self.engine = serve_cli.build_engine(args, eng_cfg)
+        self.app = build_app(self.engine, srv_cfg)
+        await self.engine.start()
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Ray Serve (tests build the class directly)
+            self.replica_id = "local"
+        self.url: Optional[str] = None
+        self._http = None
+        try:
+            import ray
+            self.node_id = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - outside Ray
+            self.node_id = ""
+        if http:
+            await self._serve_http_port()
+
+    async def _serve_http_port(self) -> None:
+        import ray
+        import uvicorn
+        host = ray.util.get_node_ip_address()
+        server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=0, log_level="warning",
+                                               lifespan="off", access_log=False))
+        task = asyncio.ensure_future(server.serve())
+        deadline = time.monotonic() + 30.0
+        while not server.started:
+            if task.done() or time.monotonic() > deadline:
+                raise RuntimeError(f"the replica's HTTP server did not start on {host}")
+            await asyncio.sleep(0.01)
+        self._http = (server, task)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{port}"
+
+    # ------------------------------------------------------------------ Ray Serve hooks
+    def record_routing_stats(self) -> dict:
+        st = self.engine.stats()
+        return {"running": st.num_running, "waiting": st.num_waiting + st.num_swapped,
+                "kv_usage": st.kv_used / st.kv_capacity if st.kv_capacity else 0.0,
+                "prefix_hit_tokens": st.prefix_hit_tokens, "prefix_query_tokens": st.prefix_query_tokens,
+                "alive": self.engine.alive, "url": self.url, "node": self.node_id, "at": time.time()}
+
+    def check_health(self) -> None:
+        if not self.engine.alive:
+            raise RuntimeError(f"shepherd engine not running: {self.engine.dead_reason or 'unknown'}")
+
+    async def __del__(self) -> None:
+        if self._http is not None:
+            self._http[0].should_exit = True
+        await self.engine.stop()
+
+    # ------------------------------------------------------------------ requests
+    async def serve_http(self, call: HttpCall) -> AsyncIterator[list]:
+        """Run one request through shepherd's app; yield its ASGI messages (batched as they come).
+        A cancelled call (the ingress's client left) is a disconnect for the app, which aborts
+        the engine request."""
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
+                 "method": call.method, "path": call.path, "raw_path": call.path.encode(), "root_path": "",
+                 "query_string": call.query_string, "headers": list(call.headers),
+                 "client": None, "server": None, "state": {}}
+        out: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        body_sent = False
+
+        async def receive() -> dict:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": call.body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                headers = list(msg.get("headers") or []) + [(REPLICA_HEADER, self.replica_id.encode())]
+                msg = dict(msg, headers=headers)
+            out.put_nowait(msg)
+
+        task = asyncio.ensure_future(self.app(scope, receive, send))
+        task.add_done_callback(lambda _t: out.put_nowait(None))
+        try:
+            while True:
+                batch = [await out.get()]
+                while not out.empty():
+                    batch.append(out.get_nowait())
+                msgs = [m for m in batch if m is not None]
+                if msgs:
+                    yield msgs
+                if batch[-1] is None:
+                    break
+            task.result()           # an error inside the app surfaces to the ingress
+        finally:
+            gone.set()
+            if not task.done():
+                task.cancel()

@@ -1,0 +1,407 @@
+"""shepherd on Ray Serve, its pieces without a cluster (the cluster test is test_ray_serve.py).
+
+- the router adapter: Ray's replicas and routing stats in, shepherd's policy decides, ranked tiers out,
+  in-flight counted exactly, removed replicas forgotten; it decides as the bare policy does;
+- the ingress against a scripted handle: retries before the first byte only, 429/503 passed on
+  with Retry-After, an SSE error event after it, the key checked before the body, nothing hangs;
+- the replica class outside Ray: shepherd's own app answers through `serve_http`, and a cancelled
+  call aborts the engine request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+pytest.importorskip("ray")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID  # noqa: E402
+from ray.serve._private.request_router.common import PendingRequest  # noqa: E402
+
+from shepherd.deploy.ray_call import HttpCall, register_router  # noqa: E402
+from shepherd.deploy.ray_ingress import IngressApp, IngressConfig  # noqa: E402
+from shepherd.deploy.ray_router import ShepherdRouter  # noqa: E402
+from shepherd.routing import ReplicaState, RouteRequest, make_policy  # noqa: E402
+
+DEP = DeploymentID(name="ShepherdReplica", app_name="t")
+
+
+class FakeReplica:
+    """What the router reads of Ray's RunningReplica."""
+
+    def __init__(self, uid: str, **stats):
+        self.replica_id = ReplicaID(unique_id=uid, deployment_id=DEP)
+        self.routing_stats = stats
+        self.max_ongoing_requests = 100
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def _pending(call):
+    return PendingRequest(args=[call], kwargs={}, metadata=None)
+
+
+def _route(text: str, user: str = "u") -> RouteRequest:
+    return RouteRequest(text=text, user=user, input_tokens=len(text) // 4)
+
+
+def _router(policy: str, replicas, **knobs) -> ShepherdRouter:
+    r = ShepherdRouter(deployment_id=DEP, handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(policy=policy, knobs=knobs)
+    r.update_replicas(replicas)
+    return r
+
+
+def _choose(router, call, replicas):
+    return asyncio.run(router.choose_replicas(replicas, _pending(call)))
+
+
+def test_router_ranks_the_policys_choice_first_and_the_rest_as_fallback():
+    async def go():
+        reps = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+        router = _router("cache-aware", reps)
+        first = HttpCall("POST", "/v1/completions", route=_route("system prompt " * 20 + "q1"))
+        tiers = await router.choose_replicas(reps, _pending(first))
+        assert len(tiers) == 2 and len(tiers[0]) == 1
+        assert {r.replica_id.unique_id for r in tiers[0] + tiers[1]} == {"a", "b", "c"}
+        chosen = tiers[0][0].replica_id.unique_id
+        # the same long prefix goes where the first went: the policy's tree, keyed by replica id
+        again = HttpCall("POST", "/v1/completions", route=_route("system prompt " * 20 + "q2"))
+        assert (await router.choose_replicas(reps, _pending(again)))[0][0].replica_id.unique_id == chosen
+        # a request without a route (GET /v1/models) may go anywhere: one tier of all
+        anyone = await router.choose_replicas(reps, _pending(HttpCall("GET", "/v1/models")))
+        assert anyone == [reps]
+        # a replica that already refused the request is left out
+        excl = HttpCall("POST", "/v1/completions", route=_route("system prompt " * 20 + "q3"),
+                        exclude=frozenset({chosen}))
+        tiers = await router.choose_replicas(reps, _pending(excl))
+        assert chosen not in {r.replica_id.unique_id for t in tiers for r in t}
+        assert router.policy.reasons["hit"] >= 1
+    asyncio.run(go())
+
+
+def test_router_keeps_one_decision_per_attempt_across_rays_reroutes():
+    async def go():
+        reps = [FakeReplica("a"), FakeReplica("b")]
+        router = _router("round-robin", reps)
+        call = HttpCall("POST", "/v1/completions", route=_route("x"))
+        t1 = await router.choose_replicas(reps, _pending(call))
+        t2 = await router.choose_replicas(reps, _pending(call))      # Ray asks again: the replica was full
+        assert t1[0][0] is t2[0][0]
+        assert sum(router.policy.reasons.values()) == 1
+    asyncio.run(go())
+
+
+def test_router_counts_in_flight_exactly_and_charges_output_at_finish():
+    async def go():
+        reps = [FakeReplica("a"), FakeReplica("b")]
+        router = _router("least-request", reps)
+        calls = []
+        for i in range(3):
+            call = HttpCall("POST", "/v1/completions", route=_route(f"p{i}"))
+            tiers = await router.choose_replicas(reps, _pending(call))
+            router.on_request_routed(_pending(call), tiers[0][0].replica_id, None)
+            calls.append(call)
+        # least-request spread them 2/1 and counted them
+        assert sorted(st.in_flight for st in router.states.values()) == [1, 2]
+        for c in calls:
+            router.finished(c, 5)
+            router.finished(c, 5)                 # a second end is not a second -1
+        assert [st.in_flight for st in router.states.values()] == [0, 0]
+        # the ingress gave up before Ray routed it: the late routed event is not counted
+        late = HttpCall("POST", "/v1/completions", route=_route("late"))
+        tiers = await router.choose_replicas(reps, _pending(late))
+        router.finished(late, 0)
+        router.on_request_routed(_pending(late), tiers[0][0].replica_id, None)
+        assert [st.in_flight for st in router.states.values()] == [0, 0]
+    asyncio.run(go())
+
+
+def test_router_reads_routing_stats_and_skips_a_dead_engine():
+    async def go():
+        reps = [FakeReplica("a", running=9, waiting=3), FakeReplica("b", running=1),
+                FakeReplica("c", alive=False)]
+        router = _router("least-request", reps)
+        tiers = await router.choose_replicas(reps, _pending(HttpCall("POST", "/v1/completions", route=_route("x"))))
+        assert tiers[0][0].replica_id.unique_id == "b"
+        st = router.states["a"]
+        assert (st.running, st.waiting, st.load) == (9, 3, 12)
+        assert not router.states["c"].healthy
+    asyncio.run(go())
+
+
+def test_router_forgets_a_removed_replica():
+    async def go():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router = _router("cache-aware", [a, b])
+        text = "shared " * 40
+        tiers = await router.choose_replicas([a, b], _pending(HttpCall("POST", "/", route=_route(text + "1"))))
+        gone = tiers[0][0]
+        keep = b if gone is a else a
+        router.update_replicas([keep])
+        assert set(router.states) == {keep.replica_id.unique_id}
+        assert gone.replica_id.unique_id not in router.policy.tree.size
+        tiers = await router.choose_replicas([keep], _pending(HttpCall("POST", "/", route=_route(text + "2"))))
+        assert tiers[0] == [keep]
+    asyncio.run(go())
+
+
+def test_router_decides_as_the_bare_policy_does():
+    """The adapter adds nothing to the decision: the same policy, the same states, the same choices."""
+    async def go():
+        reps = [FakeReplica(u) for u in "abcd"]
+        router = _router("prefix-aware", reps)
+        bare = make_policy("prefix-aware")
+        states = [ReplicaState(index=i, url=u) for i, u in enumerate("abcd")]
+        texts = [f"tenant {i % 5} " * 30 + f"turn {i}" for i in range(40)]
+        for i, text in enumerate(texts):
+            call = HttpCall("POST", "/v1/completions", route=_route(text))
+            got = (await router.choose_replicas(reps, _pending(call)))[0][0]
+            router.on_request_routed(_pending(call), got.replica_id, None)
+            want = bare.choose(_route(text), states)
+            want.in_flight += 1
+            bare.on_dispatch(_route(text), want)
+            assert got.replica_id.unique_id == want.url, f"request {i}"
+        assert router.policy.reasons == bare.reasons
+    asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------------- the ingress
+class Died(Exception):
+    """Stands for ray.exceptions.ActorDiedError."""
+
+
+class FakeGen:
+    def __init__(self, script):
+        self.script = list(script)
+        self.cancelled = False
+        self.raised = None
+
+    async def __anext__(self):
+        if not self.script:
+            raise StopAsyncIteration
+        item = self.script.pop(0)
+        if isinstance(item, BaseException):
+            self.raised = item
+            raise item
+        if item == "hang":
+            await asyncio.Event().wait()
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+        if self.raised is not None:          # Ray's cancel re-raises the call's own error
+            raise self.raised
+
+
+class FakeHandle:
+    """A DeploymentHandle whose every call plays the next script."""
+
+    def __init__(self, *scripts):
+        self.scripts = list(scripts)
+        self.calls: list[HttpCall] = []
+        self.gens: list[FakeGen] = []
+
+    def options(self, **_):
+        return self
+
+    def remote(self, call):
+        self.calls.append(call)
+        script = self.scripts.pop(0)
+        if isinstance(script, BaseException):        # refused at the call itself
+            raise script
+        gen = FakeGen(script)
+        self.gens.append(gen)
+        return gen
+
+
+def _start(status=200, replica="r1", ctype=b"application/json", extra=()):
+    return {"type": "http.response.start", "status": status,
+            "headers": [(b"content-type", ctype), (b"x-shepherd-replica", replica.encode()), *extra]}
+
+
+def _body(data: bytes, more=False):
+    return {"type": "http.response.body", "body": data, "more_body": more}
+
+
+OK = json.dumps({"choices": [{"text": "hi"}], "usage": {"completion_tokens": 3}}).encode()
+BODY = {"prompt": "hello", "max_tokens": 4}
+
+
+def _post(app, body=BODY, path="/v1/completions", headers=None):
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post(path, json=body, headers=headers or {})
+    return asyncio.run(go())
+
+
+def _app(handle, **cfg):
+    return IngressApp(handle, IngressConfig(**{"retry_backoff": 0.001, **cfg}))
+
+
+def test_ingress_relays_an_answer_unchanged():
+    handle = FakeHandle([[_start(), _body(OK)]])
+    r = _post(_app(handle))
+    assert r.status_code == 200 and r.content == OK and r.headers["x-shepherd-replica"] == "r1"
+    call = handle.calls[0]
+    assert call.route.text == "hello" and call.path == "/v1/completions" and json.loads(call.body) == BODY
+
+
+def test_ingress_under_a_route_prefix_routes_the_path_below_it():
+    handle = FakeHandle([[_start(), _body(OK)]])
+    sent, given = [], []
+
+    async def receive():            # the body once, then nothing until the client leaves (never)
+        if not given:
+            given.append(1)
+            return {"type": "http.request", "body": json.dumps(BODY).encode(), "more_body": False}
+        await asyncio.Event().wait()
+
+    async def send(msg):
+        sent.append(msg)
+    scope = {"type": "http", "method": "POST", "path": "/llm/v1/completions", "root_path": "/llm",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(_app(handle)(scope, receive, send))
+    assert sent[0]["status"] == 200 and handle.calls[0].path == "/v1/completions"
+    assert handle.calls[0].route is not None
+
+
+def test_ingress_retries_a_replica_that_died_before_the_first_byte():
+    handle = FakeHandle([Died("actor died")], [[_start(replica="r2"), _body(OK)]])
+    app = _app(handle)
+    r = _post(app)
+    assert r.status_code == 200 and r.headers["x-shepherd-replica"] == "r2"
+    assert len(handle.calls) == 2 and handle.calls[0].call_id != handle.calls[1].call_id
+    assert app.metrics.retries.labels("Died")._value.get() == 1
+
+
+def test_ingress_passes_on_the_last_429_after_trying_other_replicas():
+    busy = json.dumps({"error": {"message": "queue full", "type": "rate_limit_exceeded"}}).encode()
+    script = [[[_start(429, replica=f"r{i}", extra=[(b"retry-after", b"3")]), _body(busy)]] for i in range(3)]
+    handle = FakeHandle(*script)
+    r = _post(_app(handle))
+    assert r.status_code == 429 and r.headers["retry-after"] == "3" and r.json()["error"]["message"] == "queue full"
+    assert [sorted(c.exclude) for c in handle.calls] == [[], ["r0"], ["r0", "r1"]]
+
+
+def test_ingress_ends_a_broken_stream_with_one_error_event_and_never_retries_it():
+    sse = b"text/event-stream"
+    handle = FakeHandle([[_start(ctype=sse), _body(b"data: {\"a\": 1}\n\n", more=True)], Died("actor died")],
+                        [[_start(ctype=sse), _body(b"data: [DONE]\n\n")]])
+    r = _post(_app(handle), body={**BODY, "stream": True})
+    assert r.status_code == 200
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[0] == 'data: {"a": 1}'
+    assert json.loads(events[-1][len("data: "):])["error"]["type"] == "upstream_error"
+    assert len(handle.calls) == 1
+
+
+def test_ingress_holds_the_headers_until_the_first_body_chunk():
+    """A replica that sent its headers and died before any body is retried: nothing reached the client."""
+    handle = FakeHandle([[_start(replica="r1")], Died("actor died")], [[_start(replica="r2"), _body(OK)]])
+    r = _post(_app(handle))
+    assert r.status_code == 200 and r.headers["x-shepherd-replica"] == "r2"
+
+
+def test_ingress_answers_429_with_retry_after_when_rays_queue_is_full():
+    from ray.serve.exceptions import BackPressureError
+    for refusal in ([BackPressureError(num_queued_requests=8, max_queued_requests=8)],     # on the first message
+                    BackPressureError(num_queued_requests=8, max_queued_requests=8)):      # at the call
+        handle = FakeHandle(refusal)
+        r = _post(_app(handle, retry_after_s=2))
+        assert r.status_code == 429 and r.headers["retry-after"] == "2"
+        assert r.json()["error"]["type"] == "rate_limit_exceeded" and len(handle.calls) == 1
+
+
+def test_ingress_bounds_every_wait_on_a_replica():
+    handle = FakeHandle(["hang"], ["hang"])
+    r = _post(_app(handle, read_timeout=0.2, retries=1))
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert all(g.cancelled for g in handle.gens)
+
+
+def test_ingress_checks_the_key_before_reading_the_body():
+    app = _app(FakeHandle(), api_key="sekret")
+    sent = []
+
+    async def receive():
+        raise AssertionError("the body was read before the key was checked")
+
+    async def send(msg):
+        sent.append(msg)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"authorization", b"Bearer wrong")]}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 401 and json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"
+    ok = _post(_app(FakeHandle([[_start(), _body(OK)]]), api_key="sekret"),
+               headers={"authorization": "Bearer sekret"})
+    assert ok.status_code == 200
+
+
+def test_ingress_bad_input_is_a_400_with_an_openai_body_and_no_replica_call():
+    handle = FakeHandle()
+    app = _app(handle)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return [await c.post("/v1/completions", content=b"{not json"),
+                    await c.post("/v1/chat/completions", json={"messages": "nope"}),
+                    await c.post("/v1/completions", json={"prompt": "x", "stream": "yes"})]
+    for r in asyncio.run(go()):
+        assert r.status_code == 400 and r.json()["error"]["message"]
+    assert handle.calls == []
+
+
+def test_ingress_tells_the_router_each_attempt_ended():
+    class Counting:
+        def __init__(self):
+            self.ended = []
+
+        def finished(self, call, tokens):
+            self.ended.append((call.call_id, tokens))
+    spy = Counting()
+    register_router("SpyReplica", spy)
+    handle = FakeHandle([Died("x")], [[_start(), _body(OK)]])
+    _post(_app(handle, deployment="SpyReplica"))
+    assert [cid for cid, _ in spy.ended] == [c.call_id for c in handle.calls]
+    assert spy.ended[-1][1] == 3                  # the answer's usage.completion_tokens, for vtc-basic
+
+
+# ---------------------------------------------------------------------------------- the replica
+def test_replica_serves_shepherds_app_and_a_cancelled_call_aborts_the_engine_request():
+    from shepherd.deploy.ray_replica import ShepherdReplica
+
+    async def go():
+        rep = ShepherdReplica.__new__(ShepherdReplica)
+        await rep.__init__(["--executor", "sim", "--engine-core", "thread", "--max-total-tokens", "4096"])
+        try:
+            body = json.dumps({"prompt": "hello there", "max_tokens": 5}).encode()
+            msgs = [m async for batch in rep.serve_http(HttpCall("POST", "/v1/completions", body=body,
+                                                                 headers=[(b"content-type", b"application/json")]))
+                    for m in batch]
+            assert msgs[0]["status"] == 200 and (b"x-shepherd-replica", b"local") in msgs[0]["headers"]
+            answer = json.loads(b"".join(m.get("body", b"") for m in msgs[1:]))
+            assert answer["usage"]["completion_tokens"] == 5
+            # a stream cut after its first chunk: the engine request is aborted, nothing keeps running
+            body = json.dumps({"prompt": "hello", "max_tokens": 5000, "stream": True, "ignore_eos": True}).encode()
+            gen = rep.serve_http(HttpCall("POST", "/v1/completions", body=body,
+                                          headers=[(b"content-type", b"application/json")]))
+            while not any(m["type"] == "http.response.body" and m.get("body") for m in await gen.__anext__()):
+                pass
+            assert rep.record_routing_stats()["running"] + rep.record_routing_stats()["waiting"] <= 1
+            await gen.aclose()
+            deadline = asyncio.get_running_loop().time() + 10
+            while rep.engine.stats().num_running and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            stats = rep.record_routing_stats()
+            assert stats["running"] == 0 and stats["alive"] and stats["prefix_query_tokens"] > 0
+            rep.check_health()
+        finally:
+            await rep.__del__()
+        with pytest.raises(RuntimeError, match="engine not running"):
+            rep.check_health()
+    asyncio.run(go())
