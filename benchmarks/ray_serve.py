@@ -160,8 +160,9 @@ def part_routing(a, base: str) -> list:
     reqs = workload(a.groups, a.requests, a.seed)
     args = SIM + ["--max-total-tokens", str(a.kv_tokens)]
     rows = []
+    # the gateway row's ingress only lists the replicas' own URLs (its /metrics): no traffic goes through it
     for label, router, via_gateway in (("shepherd cache-aware, Ray Serve router", "cache-aware", False),
-                                       ("shepherd gateway (cache-aware), same replicas", "ray-power-of-two", True),
+                                       ("shepherd gateway (cache-aware), same replicas", "least-request", True),
                                        ("Ray PrefixCacheAffinityRouter", "ray-prefix-cache", False),
                                        ("Ray power-of-two (default)", "ray-power-of-two", False)):
         name = f"r{len(rows)}"
