@@ -105,17 +105,24 @@ def test_router_counts_in_flight_exactly_and_charges_output_at_finish():
             tiers = await router.choose_replicas(reps, _pending(call))
             router.on_request_routed(_pending(call), tiers[0][0].replica_id, None)
             calls.append(call)
-        # least-request spread them 2/1 and counted them
+        # counted at each decision, so least-request spread them 2/1
         assert sorted(st.in_flight for st in router.states.values()) == [1, 2]
         for c in calls:
             router.finished(c, 5)
             router.finished(c, 5)                 # a second end is not a second -1
         assert [st.in_flight for st in router.states.values()] == [0, 0]
-        # the ingress gave up before Ray routed it: the late routed event is not counted
+        # Ray had to use the second tier (the chosen replica was full): the count moves with it
+        moved = HttpCall("POST", "/v1/completions", route=_route("moved"))
+        tiers = await router.choose_replicas(reps, _pending(moved))
+        router.on_request_routed(_pending(moved), tiers[1][0].replica_id, None)
+        assert router.states[tiers[1][0].replica_id.unique_id].in_flight == 1
+        assert router.states[tiers[0][0].replica_id.unique_id].in_flight == 0
+        router.finished(moved, 0)
+        # the ingress gave up before Ray routed it: nothing stays counted
         late = HttpCall("POST", "/v1/completions", route=_route("late"))
         tiers = await router.choose_replicas(reps, _pending(late))
         router.finished(late, 0)
-        router.on_request_routed(_pending(late), tiers[0][0].replica_id, None)
+        router.on_request_routed(_pending(late), tiers[1][0].replica_id, None)
         assert [st.in_flight for st in router.states.values()] == [0, 0]
     asyncio.run(go())
 
@@ -160,7 +167,6 @@ def test_router_decides_as_the_bare_policy_does():
         for i, text in enumerate(texts):
             call = HttpCall("POST", "/v1/completions", route=_route(text))
             got = (await router.choose_replicas(reps, _pending(call)))[0][0]
-            router.on_request_routed(_pending(call), got.replica_id, None)
             want = bare.choose(_route(text), states)
             want.in_flight += 1
             bare.on_dispatch(_route(text), want)

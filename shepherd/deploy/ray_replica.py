@@ -44,6 +44,8 @@ class ShepherdReplica:
 
     async def __init__(self, serve_args: "list[str] | argparse.Namespace", http: bool = False) -> None:
         from ray import serve
+        from ray.serve.exceptions import RayServeException
+
         from shepherd.server.openai_api import build_app
 
         args = parse_serve_args(serve_args)
@@ -55,15 +57,14 @@ class ShepherdReplica:
         await self.engine.start()
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside Ray Serve (tests build the class directly)
-            self.replica_id = "local"
-        self.url: Optional[str] = None
-        self._http = None
-        try:
             import ray
             self.node_id = ray.get_runtime_context().get_node_id()
-        except Exception:  # noqa: BLE001 - outside Ray
-            self.node_id = ""
+        except RayServeException:
+            # outside Ray Serve (tests build the class directly); never touch Ray's runtime
+            # then: asking it for a node id would start a local Ray instance
+            self.replica_id, self.node_id = "local", ""
+        self.url: Optional[str] = None
+        self._http = None
         if http:
             await self._serve_http_port()
 

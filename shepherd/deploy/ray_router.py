@@ -20,10 +20,11 @@ The policy is the same object the gateway and the simulator build
   (`max_ongoing_requests`), so a full chosen replica falls back to the least
   loaded of the rest, and the fallback is defined.
 
-Counting: +1 in `on_request_routed` (Ray calls it once the replica accepted
-the request), -1 when the ingress ends its attempt (`finished`, in a
-`finally`, with the output tokens vtc-basic charges). A request Ray retries
-inside its router (a replica refused it) keeps the first decision, so the
+Counting: +1 when the policy decides (as the gateway counts, so that the
+next decision sees it), moved in `on_request_routed` when Ray had to use a
+lower tier, -1 when the ingress ends its attempt (`finished`, in a
+`finally`, with the output tokens vtc-basic charges). A request Ray re-routes
+inside its router (the replica was full) keeps the first decision, so the
 policy sees one decision per attempt, as in the gateway.
 
 Ray pickles this module by value into every process that holds a handle:
@@ -98,25 +99,33 @@ class ShepherdRouter(RequestRouter):
             if key is None:
                 states = [self._state(r) for r in cands]
                 try:
-                    key = self.policy.choose(call.route, states).key
+                    st = self.policy.choose(call.route, states)
                 except NoReplicaAvailable:
                     # every engine reports dead: health checks are replacing them; let Ray pick
                     return [cands]
-                call.decided = key
+                key = call.decided = st.key
+                if not call.ended:
+                    # counted at the decision, as the gateway counts: the next decision sees it
+                    st.in_flight += 1
+                    call.routed_to = key
+                    self.policy.on_dispatch(call.route, st)
         chosen = by_key[key]
         return [[chosen], [r for r in cands if r is not chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Ray sent it to a replica of a lower tier (the chosen one was full): move the count there."""
         call = call_of(pending_request)
         if call is None or call.route is None:
             return
         with self.lock:
-            st = self.states.get(replica_id.unique_id)
-            if call.ended or st is None:       # the ingress gave up on it already, or never chose
+            new = self.states.get(replica_id.unique_id)
+            if call.ended or call.routed_to is None or new is None or new.key == call.routed_to:
                 return
-            st.in_flight += 1
-            call.routed_to = st.key
-            self.policy.on_dispatch(call.route, st)
+            old = self.states.get(call.routed_to)
+            if old is not None:
+                old.in_flight = max(0, old.in_flight - 1)
+            new.in_flight += 1
+            call.routed_to = new.key
 
     def finished(self, call: HttpCall, output_tokens: int = 0) -> None:
         """The ingress ended this attempt (any way): the -1 of in-flight, the policy's on_finish."""
