@@ -94,21 +94,23 @@ def host_pool_tokens(host_kv_tokens: int, device_tokens: int, preemption: str) -
 
 @dataclass
 class ModelConfig:
-    """Architecture of a Llama-family model, read from GGUF metadata or config.json."""
-    architecture: str = "llama"
-    vocab_size: int = 49152
-    hidden_size: int = 576
-    intermediate_size: int = 1536
-    num_layers: int = 30
-    num_heads: int = 9
-    num_kv_heads: int = 3
-    head_dim: int = 64
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None
-    max_position_embeddings: int = 8192
-    tie_word_embeddings: bool = True
-    attention_bias: bool = False      # Qwen2 has q/k/v biases
+    """Architecture of a Llama-family model. Every field comes from the model itself (GGUF
+    metadata or config.json, model/loader.py, with that format's own fallbacks): there is no
+    default model architecture to fall back to."""
+    architecture: str                 # llama | qwen2
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool              # Qwen2 has q/k/v biases
 
 
 @dataclass

@@ -189,11 +189,13 @@ def test_parity_not_batch_invariant_mode(setup, prompts, default_model_path):
 def test_save_hf_folder_round_trip(default_model_path, tmp_path):
     """The GGUF written out as a Hugging Face folder (what vLLM / transformers load) reloads
     with the same config, weights, tokenizer and chat template."""
-    from shepherd.model.loader import load_model, save_hf_folder
+    from shepherd.model.loader import context_length, load_model, save_hf_folder
     a = load_model(default_model_path, "bfloat16")
     save_hf_folder(a, str(tmp_path))
     b = load_model(str(tmp_path), "bfloat16")
     assert b.config == a.config
+    # what the simulated executor reads instead of loading the model: the metadata alone
+    assert context_length(str(tmp_path)) == context_length(default_model_path) == a.config.max_position_embeddings
     assert set(b.weights) == set(a.weights)
     assert all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)
     text = "Hi 123 😀 <|im_start|>user"

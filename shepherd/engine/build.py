@@ -16,7 +16,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from shepherd.config import EngineConfig, ModelConfig, SchedulerConfig, host_pool_tokens, whole_pages
+from shepherd.config import EngineConfig, SchedulerConfig, host_pool_tokens, whole_pages
 from shepherd.engine.core import Clock, EngineCore, WallClock
 from shepherd.engine.core_loop import CoreInfo, ServedCore
 from shepherd.scheduler.scheduler import Scheduler
@@ -55,14 +55,14 @@ def build_served_core(cfg: EngineConfig, executor: Optional[Executor] = None,
 def make_executor(cfg: EngineConfig, tokenizer: Any = None) -> Executor:
     if cfg.executor == "sim":
         from shepherd.engine.sim_executor import SimExecutor
+        from shepherd.model.loader import context_length, load_tokenizer
         if tokenizer is None:
-            from shepherd.model.loader import load_tokenizer
             tokenizer = load_tokenizer(cfg.model)
         cap = int(cfg.max_total_tokens or cfg.scheduler.max_total_tokens)
         eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
         return SimExecutor(kv_capacity=cap, host_kv_capacity=host_pool_tokens(cfg.host_kv_tokens, cap,
                                                                               cfg.scheduler.preemption),
-                           max_model_len=min(ModelConfig().max_position_embeddings, cap),
+                           max_model_len=min(context_length(cfg.model), cap),
                            eos_token_id=eos, vocab_size=tokenizer.vocab_size,
                            eos_token_ids=tuple(tokenizer.eos_token_ids), tokenizer=tokenizer,
                            model_name=model_name_from_path(cfg.model),

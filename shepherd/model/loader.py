@@ -341,6 +341,14 @@ def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
     raise ModelLoadError(f"{path}: not a GGUF file nor a Hugging Face folder")
 
 
+def context_length(path: Optional[str] = None) -> int:
+    """The model's context length (max positions), from its metadata alone (no weights read)."""
+    path = _check_path(path)
+    if _is_gguf(path):
+        return _gguf_config(gguf_reader(path, with_tensors=False).fields, path).max_position_embeddings
+    return _hf_config(path).max_position_embeddings
+
+
 def load_model(path: Optional[str] = None, dtype="bfloat16", quantization: str = "none") -> LoadedModel:
     """Config, weights (Hugging Face names/layout, in `dtype`) and tokenizer. With
     quantization int8/int4/w8a8 (or auto, for a GGUF with Q4/Q8 blocks) the linear layers'
