@@ -4,7 +4,8 @@ Names follow docs/DESIGN.md ("Scheduling: what the seeds ask for, by name").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 ADMISSION_MODES = ("guaranteed", "peak", "optimistic")
@@ -114,6 +115,50 @@ class ModelConfig:
 
 
 @dataclass
+class KVEventsConfig:
+    """`--kv-events-config JSON`: vLLM's KVEventsConfig, same field names and defaults
+    (vllm/config/kv_events.py). docs/ROUTING.md ("Fleets") describes the stream."""
+    enable_kv_cache_events: bool = False
+    publisher: Optional[str] = None      # "zmq" | "null"; None: "zmq" when enabled, else "null"
+    endpoint: str = "tcp://*:5557"       # PUB; a "*" / "::" host (or ipc://, inproc://) binds, else connects
+    replay_endpoint: Optional[str] = None  # ROUTER, always bound; None: no replay
+    buffer_steps: int = 10_000           # batches kept for replay
+    hwm: int = 100_000                   # the PUB socket's high-water mark
+    max_queue_size: int = 100_000        # batches waiting for the publisher thread; beyond: see publisher.py
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVEventsConfig":
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"--kv-events-config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--kv-events-config must be a JSON object")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ConfigError(f"--kv-events-config: unknown field(s) {unknown}; known: {sorted(known)}")
+        cfg = cls(**raw)
+        if cfg.publisher not in (None, "zmq", "null"):
+            raise ConfigError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(cfg, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"--kv-events-config: {name} must be an integer >= 1, got {v!r}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(cfg, name), str):
+                raise ConfigError(f"--kv-events-config: {name} must be a string")
+        if not isinstance(cfg.enable_kv_cache_events, bool):
+            raise ConfigError("--kv-events-config: enable_kv_cache_events must be true or false")
+        return cfg
+
+
+@dataclass
 class EngineConfig:
     model: Optional[str] = None                   # path to .gguf or a HF folder; None = the default SmolLM2
     dtype: str = "bfloat16"
@@ -128,6 +173,7 @@ class EngineConfig:
     device: str = "cpu"                           # cpu | cuda | cuda:N
     watchdog_timeout: float = 300.0
     log_every_steps: int = 40                     # decode log line cadence
+    kv_events: Optional[KVEventsConfig] = None    # publish prefix-cache changes (vLLM's KV events)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 

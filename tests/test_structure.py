@@ -11,9 +11,9 @@
 Layers, bottom to top:
 
     0  shepherd/{config,request,paths,step}.py
-    1  scheduler/, model/
+    1  scheduler/, model/, kv_events/ (pure: hashes, wire format, tracker, index)
     2  routing/
-    3  engine/
+    3  engine/, kv_events/{publisher,subscriber}.py (ZMQ I/O)
     4  sim/, bench/, server/, gateway/, deploy/   (bench and sim: one direction at most)
     5  cli.py, __main__.py
 
@@ -30,9 +30,9 @@ PKG = ROOT / "shepherd"
 
 LAYERS = {
     "shepherd.config": 0, "shepherd.request": 0, "shepherd.paths": 0, "shepherd.step": 0, "shepherd": 0,
-    "shepherd.scheduler": 1, "shepherd.model": 1,
+    "shepherd.scheduler": 1, "shepherd.model": 1, "shepherd.kv_events": 1,
     "shepherd.routing": 2,
-    "shepherd.engine": 3,
+    "shepherd.engine": 3, "shepherd.kv_events.publisher": 3, "shepherd.kv_events.subscriber": 3,
     "shepherd.sim": 4, "shepherd.bench": 4, "shepherd.server": 4, "shepherd.gateway": 4, "shepherd.deploy": 4,
     "shepherd.cli": 5, "shepherd.__main__": 5,
 }

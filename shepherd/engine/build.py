@@ -49,7 +49,11 @@ def build_served_core(cfg: EngineConfig, executor: Optional[Executor] = None,
                     max_model_len=int(executor.max_model_len),
                     eos_token_ids=tuple(executor.eos_token_ids or tokenizer.eos_token_ids or ()),
                     model_name=str(executor.model_name or model_name_from_path(cfg.model)))
-    return ServedCore(core, info, tokenizer, cfg.log_every_steps)
+    kv_events = None
+    if cfg.kv_events is not None and cfg.kv_events.enabled:
+        from shepherd.kv_events.publisher import KVEventPublisher
+        kv_events = KVEventPublisher(cfg.kv_events, core.scheduler.kv.record_cache_events())
+    return ServedCore(core, info, tokenizer, cfg.log_every_steps, kv_events)
 
 
 def make_executor(cfg: EngineConfig, tokenizer: Any = None) -> Executor:

@@ -75,11 +75,13 @@ class CoreInfo(NamedTuple):
 class ServedCore:
     """An EngineCore behind the server: intake items in, CoreOutput tuples out."""
 
-    def __init__(self, core: EngineCore, info: CoreInfo, tokenizer: Any, log_every_steps: int):
+    def __init__(self, core: EngineCore, info: CoreInfo, tokenizer: Any, log_every_steps: int,
+                 kv_events: Any = None):
         self.core = core
         self.scheduler = core.scheduler
         self.info = info
         self.tokenizer = tokenizer
+        self.kv_events = kv_events                    # KVEventPublisher (vLLM's ZMQ stream), when configured
         self.step_logger = StepLogger(log_every_steps)
         self.last_stats = self.scheduler.stats()
         self._reqs: dict[str, Request] = {}
@@ -121,6 +123,16 @@ class ServedCore:
 
     def abort_all(self, now: float) -> list[tuple]:
         return self.intake([(ABORT, rid) for rid in list(self._reqs)], now)[1]
+
+    def publish_kv_events(self) -> None:
+        """Once per loop iteration: the prefix cache's changes go to the publisher's thread (a list
+        handed over; hashing, encoding and sending never run on this thread)."""
+        if self.kv_events is not None:
+            self.kv_events.submit(time.time())
+
+    def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ------------------------------------------------------------------ step
     def step(self) -> tuple[list[tuple], Optional[float], int]:
@@ -172,12 +184,15 @@ def run_loop(served: ServedCore, recv: Callable[[Optional[float]], list], send: 
         answers, outs = served.intake(items, now)
         if stop:
             outs += served.abort_all(now)
+            served.publish_kv_events()
+            served.close()
             send(CoreStep(answers, outs, served.scheduler.stats(), None, 0))
             return
         step_time, generated = None, 0
         if served.has_work:
             step_outs, step_time, generated = served.step()
             outs += step_outs
+        served.publish_kv_events()
         stalled = not (answers or outs or step_time is not None or items)
         if not stalled:
             stats = served.last_stats if step_time is not None else served.scheduler.stats()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from shepherd.request import RequestState
+from shepherd.scheduler.cache_events import CacheEventLog
 from shepherd.scheduler.kv_pool import KVPool, pages_for
 from shepherd.scheduler.radix_cache import RadixCache
 from shepherd.scheduler.state import Entry, SchedulerStats
@@ -26,6 +27,14 @@ class KVManager:
         self.host_capacity = max(0, int(host_capacity))
         self.host_used = 0
         self.stats = stats
+
+    def record_cache_events(self) -> Optional[CacheEventLog]:
+        """Have the prefix cache record what it adds, splits and evicts (None when it is off)."""
+        if self.tree is None:
+            return None
+        if self.tree.events is None:
+            self.tree.events = CacheEventLog()
+        return self.tree.events
 
     # ------------------------------------------------------------------ sizes
     def available_pages(self) -> int:

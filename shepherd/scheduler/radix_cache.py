@@ -9,13 +9,17 @@ SGLang's RadixAttention, reduced to what the scheduler needs:
   its ancestors); locked tokens are "protected", unlocked ones "evictable";
 - `evict(n)` frees least-recently-used unlocked leaves, moving up to parents
   that become leaves, until n tokens are freed;
-- `last_access` is a logical counter (no clock), so eviction is deterministic.
+- `last_access` is a logical counter (no clock), so eviction is deterministic;
+- with an event log attached (`events`), every node added, split or evicted is
+  appended to it as a plain record (scheduler/cache_events.py): what the KV-event
+  publisher turns into vLLM's BlockStored / BlockRemoved.
 """
 from __future__ import annotations
 
 import heapq
 from typing import Optional
 
+from shepherd.scheduler.cache_events import CacheEventLog, NodeAdded, NodeEvicted, NodeSplit
 from shepherd.scheduler.kv_pool import KVPool
 
 
@@ -54,8 +58,9 @@ def _common_len(key: list[int], ids: list[int], start: int) -> int:
 
 
 class RadixCache:
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, events: Optional[CacheEventLog] = None):
         self.pool = pool
+        self.events = events      # None: nothing recorded (the default: no cost)
         self.page_size = pool.page_size
         self._ids = 0
         self._clock = 0
@@ -195,6 +200,8 @@ class RadixCache:
         child.value = child.value[m:]
         child.parent = new
         new.children[self._child_key(child.key, 0)] = child
+        if self.events is not None:
+            self.events.records.append(NodeSplit(child.id, new.id, m))
         return new
 
     # ---- insert --------------------------------------------------------------
@@ -239,6 +246,8 @@ class RadixCache:
             self._num_nodes += 1
             self.evictable_size += n - i
             self._push(leaf)
+            if self.events is not None:
+                self.events.records.append(NodeAdded(leaf.id, 0 if node is self.root else node.id, key))
             node = leaf
         return existing, node
 
@@ -306,6 +315,8 @@ class RadixCache:
             del parent.children[self._child_key(nd.key, 0)]
             nd.parent = None
             self._num_nodes -= 1
+            if self.events is not None:
+                self.events.records.append(NodeEvicted(nd.id))
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._push(parent)
         self.evicted_total += freed

@@ -12,7 +12,7 @@ import sys
 from typing import Optional
 
 from shepherd.config import (ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, ConfigError, EngineConfig,
-                             SchedulerConfig, ServerConfig)
+                             KVEventsConfig, SchedulerConfig, ServerConfig)
 
 EXIT_CONFIG = 2
 
@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-json-depth", type=int, default=ServerConfig.max_json_depth,
                    help="deeper JSON request bodies get 400 (default %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish the prefix cache's changes as vLLM KV events over ZMQ (vLLM's fields), e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (docs/ROUTING.md, Fleets)")
 
     k = p.add_argument_group("KV cache and batching")
     kv = k.add_mutually_exclusive_group()
@@ -131,7 +135,8 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
                        batch_invariant=args.batch_invariant, num_threads=args.num_threads,
                        quantization=args.quantization, device=args.device, kernels=args.kernels,
                        watchdog_timeout=args.watchdog_timeout, log_every_steps=args.log_every_steps,
-                       scheduler=sched)
+                       scheduler=sched,
+                       kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None)
     if args.kv_cache_memory_fraction is not None:
         eng.kv_cache_memory_fraction = args.kv_cache_memory_fraction
     if not (0.0 < eng.kv_cache_memory_fraction <= 1.0):
