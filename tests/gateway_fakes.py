@@ -33,6 +33,7 @@ class FakeBackend:
         self.active = 0            # requests being answered now
         self.aborted = 0           # streams whose client went away
         self.bodies: list = []
+        self.tokenized = 0         # /tokenize calls
         self._lock = threading.Lock()
 
     # deterministic payloads ------------------------------------------------------------
@@ -87,7 +88,7 @@ class FakeBackend:
         if path == "/v1/models":
             return await self._json(send, 200, {"object": "list",
                                                 "data": [{"id": self.name, "object": "model"}]})
-        if path not in ("/v1/completions", "/v1/chat/completions"):
+        if path not in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
             return await self._json(send, 404, {"error": {"message": "nope"}})
         raw = b""
         while True:
@@ -96,6 +97,10 @@ class FakeBackend:
             if not m.get("more_body"):
                 break
         body = json.loads(raw)
+        if path == "/tokenize":     # a fake tokenizer: one token per character (chat: role:content lines)
+            text = body.get("prompt") or "".join(f"{m['role']}:{m['content']}\n" for m in body.get("messages") or [])
+            self.tokenized += 1
+            return await self._json(send, 200, {"tokens": [ord(c) for c in text], "count": len(text)})
         with self._lock:
             self.requests += 1
             self.active += 1

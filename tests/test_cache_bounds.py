@@ -41,11 +41,12 @@ def test_shared_system_prompt_and_session_history():
              TraceRequest(arrival=1.0, prompt_tokens=10, output_tokens=1, index=1, **g),     # hits the 6 shared
              TraceRequest(arrival=2.0, prompt_tokens=10, output_tokens=5, index=2, session="s", **g),
              TraceRequest(arrival=3.0, prompt_tokens=20, output_tokens=1, index=3, session="s", turn=1, **g)]
-    # turn 1 extends turn 0: system prompt (6) + turn 0's 4 session tokens = 10
+    # turn 1 extends turn 0: system prompt (6) + turn 0's 4 session tokens + its answer as an
+    # engine caches it (5 - 1: the last token is sampled, never computed) = 14
     b = HitRateBounds(capacity_tokens=10_000)
     for tr in trace:
         b.observe(tr)
-    assert b.result()["infinite_hit_tokens"] == 0 + 6 + 6 + 10
+    assert b.result()["infinite_hit_tokens"] == 0 + 6 + 6 + 14
 
 
 def test_simulator_reports_bounds_cache_and_routing():

@@ -189,6 +189,22 @@ def prompt_segments(tr: TraceRequest, block_size: int = 512) -> list[tuple[str, 
     return segs
 
 
+def stream_tokens(seed: int, start: int, n: int, vocab_size: int) -> list[int]:
+    """Positions start..start+n-1 of the token stream `seed` (see session_stream)."""
+    return _stream(seed, start, n, vocab_size)
+
+
+def session_stream(tr: TraceRequest, block_size: int = 512) -> Optional[tuple[int, int]]:
+    """(seed, offset) of the session's stream in tr's prompt: prompt position i >= offset holds
+    stream token i - offset. None when tr belongs to no session."""
+    at = 0
+    for key, start, n in prompt_segments(tr, block_size):
+        if key.startswith("session/"):
+            return _seed_of(key), at - start
+        at += n
+    return None
+
+
 def prompt_token_ids(tr: TraceRequest, vocab_size: int, block_size: int = 512) -> list[int]:
     """Deterministic prompt of exactly tr.prompt_tokens ids (see module doc)."""
     if tr.prompt_ids is not None:
@@ -203,4 +219,4 @@ def prompt_token_ids(tr: TraceRequest, vocab_size: int, block_size: int = 512) -
 
 
 __all__ = ["apply_time", "iter_trace", "load_trace", "prompt_token_ids", "prompt_segments", "seeded_stream",
-           "token_objects"]
+           "session_stream", "stream_tokens", "token_objects"]

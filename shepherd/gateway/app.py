@@ -52,6 +52,7 @@ from shepherd.gateway.http1 import Http1Pool, Response, UpstreamError
 from shepherd.gateway.intake import (BadRequest, Disconnected, error_body, json_500_on_error, json_object, read_body,
                                      route_request_from, send_json, send_metrics, split_headers, usage_tokens,
                                      watch_disconnect)
+from shepherd.gateway.kv_routing import KVRouting
 from shepherd.routing import NoReplicaAvailable, RouteRequest, RoutingPolicy
 
 log = logging.getLogger("shepherd.gateway")
@@ -82,12 +83,16 @@ class Gateway:
     or call `await gw.startup()` / `await gw.shutdown()` yourself."""
 
     def __init__(self, pool: BackendPool, policy: RoutingPolicy, config: Optional[GatewayConfig] = None,
-                 policy_name: Optional[str] = None, registry: Optional[CollectorRegistry] = None) -> None:
+                 policy_name: Optional[str] = None, registry: Optional[CollectorRegistry] = None,
+                 kv: Optional[KVRouting] = None) -> None:
         self.pool = pool
         self.policy = policy
         self.policy_name = policy_name or policy.name
         self.cfg = config or GatewayConfig()
         self.metrics = GatewayMetrics(self, registry)
+        self.kv = kv                  # KV-event streams and prompt token ids (kv_routing.py), when configured
+        if kv is not None:
+            self.metrics.registry.register(kv)
         self.client: Optional[httpx.AsyncClient] = None      # /v1/models fan-out
         self.upstream: Optional[Http1Pool] = None            # proxied requests
         self.in_flight = 0
@@ -109,6 +114,8 @@ class Gateway:
         self.upstream = Http1Pool(connect_timeout=c.connect_timeout, read_timeout=c.read_timeout,
                                   max_idle_per_host=c.max_keepalive)
         await self.pool.start()
+        if self.kv is not None:
+            await self.kv.start()
         self._started = True
 
     async def shutdown(self) -> None:
@@ -116,6 +123,8 @@ class Gateway:
             return
         self._started = False
         await self.pool.stop()
+        if self.kv is not None:
+            await self.kv.stop()
         if self.client is not None:
             await self.client.aclose()
             self.client = None
@@ -201,7 +210,8 @@ class Gateway:
     async def _admin(self, scope, receive, send, method: str) -> None:
         if method == "GET":
             return await send_json(send, 200, {"policy": self.policy_name,
-                                                "backends": [b.to_dict() for b in self.pool.backends()]})
+                                                "backends": [b.to_dict() for b in self.pool.backends()],
+                                                "kv_events": self.kv.status() if self.kv is not None else {}})
         if method not in ("POST", "DELETE"):
             return await send_json(send, 405, error_body(f"{method} not allowed on /admin/backends"))
         try:
@@ -247,6 +257,8 @@ class Gateway:
         except BadRequest as e:
             m.errors.labels("bad_request").inc()
             return await send_json(send, e.status, error_body(e.message, param=e.param, code=e.status))
+        if self.kv is not None:
+            await self.kv.fill(rr, payload, path == "/v1/chat/completions", self.pool.replicas(), self.client)
         self.in_flight += 1
         try:
             if not await watch_disconnect(receive, send, lambda s: self._dispatch(s, path, body, fwd, rr)):

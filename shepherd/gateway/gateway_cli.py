@@ -4,6 +4,8 @@
         --policy prefix-aware --port 8000
     shepherd gateway --backend-file backends.txt --policy weighted --scorer-weights prefix=2,load=1
     shepherd gateway ... --policy prefix-aware --policy-knob block_size=64 --policy-knob imbalance_abs_count=16
+    shepherd gateway --backend http://h1:8000 --backend http://h2:8000 --policy precise-prefix \
+        --kv-events http://h1:8000=tcp://h1:5557,replay=tcp://h1:5558 --kv-events http://h2:8000=tcp://h2:5557
 
 A configuration error is one clear line and exit status 2.
 """
@@ -33,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a knob of the policy (repeatable); `--list-knobs` shows them")
     p.add_argument("--scorer-weights", default=None, metavar="S=W,...",
                    help="weighted policy: scorer weights, e.g. prefix=2,queue=1,kv=1,load=1")
+    p.add_argument("--kv-events", action="append", default=[], metavar="URL=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
+                   help="subscribe to a backend's KV events (vLLM's ZMQ stream; repeat per backend) for "
+                        "precise-prefix (or weighted with a precise weight)")
+    p.add_argument("--tokenizer", default="backend", metavar="backend|default|PATH",
+                   help="how the gateway gets a prompt's token ids for KV-event routing: a backend's /tokenize "
+                        "(default), or this tokenizer (a .gguf / Hugging Face folder; 'default': the default model)")
     p.add_argument("--list-knobs", action="store_true", help="print every policy's knobs and exit")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
@@ -58,6 +66,7 @@ def build_gateway(args: argparse.Namespace):
     """(Gateway, policy name) from parsed arguments; ValueError on a bad configuration."""
     from shepherd.gateway.app import Gateway, GatewayConfig
     from shepherd.gateway.backends import BackendPool, HealthConfig
+    from shepherd.gateway.kv_routing import KVRouting
     knobs = parse_knobs(args.policy_knob)
     if args.scorer_weights is not None:
         knobs["weights"] = args.scorer_weights
@@ -72,7 +81,10 @@ def build_gateway(args: argparse.Namespace):
         raise ValueError("give at least one --backend URL or a --backend-file")
     cfg = GatewayConfig(retries=args.retries, retry_backoff=args.retry_backoff,
                         connect_timeout=args.connect_timeout, read_timeout=args.read_timeout)
-    return Gateway(pool, policy, cfg), policy.name
+    kv = None
+    if args.kv_events or getattr(policy, "kv_index", None) is not None:
+        kv = KVRouting(policy, args.kv_events, args.tokenizer)
+    return Gateway(pool, policy, cfg, kv=kv), policy.name
 
 
 def main(args: argparse.Namespace) -> int:

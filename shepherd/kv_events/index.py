@@ -101,17 +101,19 @@ class KVBlockIndex:
                 self._clear(replica, rep)
 
     # ------------------------------------------------------------------ reads
-    def match(self, keys: list[int], replicas: Optional[Iterable[Hashable]] = None) -> dict:
-        """{replica: number of leading keys it holds} for replicas holding at least the first."""
+    def match(self, keys: list[int], replicas: Optional[Iterable[Hashable]] = None,
+              extra: Optional[dict] = None) -> dict:
+        """{replica: number of leading keys it holds} for replicas holding at least the first.
+        A replica whose stream is being checked (set_usable False) holds nothing here. `extra`:
+        {replica: keys it holds besides its events (a router's in-flight prompts)}."""
         out: dict = {}
+        extra = extra or {}
         with self._lock:
-            ok = {r for r, rep in self._replicas.items() if rep.usable}
-            alive = ok if replicas is None else ok.intersection(replicas)
+            usable = {r for r, rep in self._replicas.items() if rep.usable}
+            alive = set(replicas) if replicas is not None else usable | set(extra)
             for i, k in enumerate(keys):
-                held = self._holders.get(k)
-                if not held:
-                    break
-                alive = alive & held
+                held = self._holders.get(k, ())
+                alive = {r for r in alive if (r in held and r in usable) or k in extra.get(r, ())}
                 if not alive:
                     break
                 for r in alive:

@@ -15,6 +15,7 @@ picker (RoutingPolicy._pick_min). One file per family:
     fairness.py      AIBrix vtc-basic
     session.py       session affinity (rendezvous hashing)
     weighted.py      llm-d: filters, weighted normalised scorers, picker
+    precise_prefix.py  precise prefix routing from the replicas' KV events (an index any owner feeds)
     registry.py      names, aliases, knobs, make_policy
 
 docs/ROUTING.md explains each policy, its knobs and the defaults chosen.
@@ -24,6 +25,7 @@ from shepherd.routing.cache_aware import CacheAwarePolicy
 from shepherd.routing.fairness import VTCBasicPolicy
 from shepherd.routing.load import (LeastKVPolicy, LeastRequestPolicy, PowerOfTwoPolicy, RandomPolicy,
                                    RoundRobinPolicy, ShortestQueuePolicy)
+from shepherd.routing.precise_prefix import PrecisePrefixPolicy, PrecisePrefixScorer
 from shepherd.routing.prefix_aware import PrefixAwarePolicy
 from shepherd.routing.prefix_index import TOKENIZER_TYPES, BlockPrefixIndex, block_hashes
 from shepherd.routing.radix_tree import ApproxRadixTree
@@ -33,10 +35,10 @@ from shepherd.routing.session import SessionAffinityPolicy
 from shepherd.routing.weighted import DEFAULT_SCORER_WEIGHTS, SCORERS, WeightedPolicy, parse_weights
 
 __all__ = [
-    "ALIASES", "DEFAULT_SCORER_WEIGHTS", "POLICIES", "POLICY_NAMES", "SCORERS", "TOKENIZER_TYPES",
-    "ApproxRadixTree", "BlockPrefixIndex", "CacheAwarePolicy", "LeastKVPolicy", "LeastRequestPolicy",
-    "NoReplicaAvailable", "PowerOfTwoPolicy", "PrefixAwarePolicy", "RandomPolicy", "ReplicaState",
-    "RoundRobinPolicy", "RouteRequest", "RoutingPolicy", "SessionAffinityPolicy", "ShortestQueuePolicy",
-    "VTCBasicPolicy", "WeightedPolicy", "block_hashes", "make_policy", "parse_knobs", "parse_weights",
-    "policy_knobs",
+    "ALIASES", "ApproxRadixTree", "BlockPrefixIndex", "CacheAwarePolicy", "DEFAULT_SCORER_WEIGHTS",
+    "LeastKVPolicy", "LeastRequestPolicy", "NoReplicaAvailable", "POLICIES", "POLICY_NAMES",
+    "PowerOfTwoPolicy", "PrecisePrefixPolicy", "PrecisePrefixScorer", "PrefixAwarePolicy", "RandomPolicy",
+    "ReplicaState", "RoundRobinPolicy", "RouteRequest", "RoutingPolicy", "SCORERS", "SessionAffinityPolicy",
+    "ShortestQueuePolicy", "TOKENIZER_TYPES", "VTCBasicPolicy", "WeightedPolicy", "block_hashes",
+    "make_policy", "parse_knobs", "parse_weights", "policy_knobs"
 ]

@@ -103,6 +103,9 @@ class RoutingPolicy:
     healthy replicas (never empty)."""
 
     name = "base"
+    # a KVBlockIndex (shepherd/kv_events/index.py) for the owner to feed with the replicas'
+    # KV events, on policies that read them (precise-prefix, weighted with precise > 0)
+    kv_index = None
 
     def __init__(self) -> None:
         self.last_reason = ""

@@ -9,6 +9,7 @@ from shepherd.routing.cache_aware import CacheAwarePolicy
 from shepherd.routing.fairness import VTCBasicPolicy
 from shepherd.routing.load import (LeastKVPolicy, LeastRequestPolicy, PowerOfTwoPolicy, RandomPolicy,
                                    RoundRobinPolicy, ShortestQueuePolicy)
+from shepherd.routing.precise_prefix import PrecisePrefixPolicy
 from shepherd.routing.prefix_aware import PrefixAwarePolicy
 from shepherd.routing.session import SessionAffinityPolicy
 from shepherd.routing.weighted import WeightedPolicy
@@ -25,11 +26,12 @@ POLICIES: dict = {
     "vtc-basic": VTCBasicPolicy,
     "session-affinity": SessionAffinityPolicy,
     "weighted": WeightedPolicy,
+    "precise-prefix": PrecisePrefixPolicy,
 }
 ALIASES = {"rr": "round-robin", "roundrobin": "round-robin", "least-loaded": "least-request",
            "p2c": "power-of-two", "prefix-cache": "prefix-aware", "prefix": "prefix-aware",
            "cache_aware": "cache-aware", "vtc": "vtc-basic", "session": "session-affinity",
-           "llm-d": "weighted"}
+           "llm-d": "weighted", "precise": "precise-prefix", "kv-events": "precise-prefix"}
 POLICY_NAMES = tuple(POLICIES)
 
 

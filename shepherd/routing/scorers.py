@@ -4,7 +4,9 @@ composes them; prefix-aware reuses the prefix scorer's hashing and index.
 
 Each scorer: score(request, cands) -> {replica key: score}; after the pick the
 policy calls on_pick(request, chosen) (the prefix scorer records the prompt
-there) and forget(key) when a replica leaves for good.
+there), on_dispatch / on_finish as the owner reports the request's life (the
+precise scorer counts in-flight prompts), and forget(key) when a replica leaves
+for good.
 """
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ class Scorer:
 
     def on_pick(self, request: RouteRequest, chosen: ReplicaState) -> None:
         """The policy picked `chosen` for `request`."""
+
+    def on_dispatch(self, request: RouteRequest, replica: ReplicaState) -> None:
+        """The owner sent `request` to `replica`."""
+
+    def on_finish(self, request: RouteRequest, replica: ReplicaState) -> None:
+        """The request ended on `replica` (any way)."""
 
     def forget(self, key: Hashable) -> None:
         """A replica was removed for good."""

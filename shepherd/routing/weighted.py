@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from shepherd.routing.base import RoutingPolicy
+from shepherd.routing.precise_prefix import PrecisePrefixScorer
 from shepherd.routing.scorers import KVScorer, LoadScorer, PrefixScorer, QueueScorer, saturation_filter
 
-SCORERS = ("prefix", "queue", "kv", "load")
+SCORERS = ("prefix", "queue", "kv", "load", "precise")
 DEFAULT_SCORER_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kv": 1.0, "load": 1.0}
 
 
@@ -41,8 +42,9 @@ class WeightedPolicy(RoutingPolicy):
     """llm-d's scheduler shape. Filters: healthy; replicas with kv_usage >=
     kv_filter or waiting >= queue_filter are dropped unless that drops all.
     Scorers (scorers.py), each in [0, 1], higher better: prefix, queue, kv,
-    load. score = sum(w_s * s) / sum(w_s); the picker takes the maximum,
-    round robin among ties.
+    load, and precise (the replicas' KV events, precise_prefix.py; weight 0
+    unless given, e.g. precise=2,load=1). score = sum(w_s * s) / sum(w_s); the
+    picker takes the maximum, round robin among ties.
 
     Knobs: weights ("prefix=2,queue=1,kv=1,load=1"; also scorer_weights),
     tokenizer_type, block_size, block_number (the prefix scorer's, as
@@ -60,8 +62,10 @@ class WeightedPolicy(RoutingPolicy):
         self.index = self.prefix.index
         self.kv_filter = kv_filter
         self.queue_filter = queue_filter
-        every = {"prefix": self.prefix, "queue": QueueScorer(), "kv": KVScorer(), "load": LoadScorer()}
+        every = {"prefix": self.prefix, "queue": QueueScorer(), "kv": KVScorer(), "load": LoadScorer(),
+                 "precise": PrecisePrefixScorer() if self.weights.get("precise") else None}
         self.scorers = [every[name] for name in SCORERS if self.weights.get(name)]
+        self.kv_index = every["precise"].index if every["precise"] is not None else None
         self.last_scores: dict = {}
 
     def _choose(self, request, cands):
@@ -72,10 +76,19 @@ class WeightedPolicy(RoutingPolicy):
         scores = {r.key: round(sum(w[s] * parts[s][r.key] for s in parts) / total_w, 9) for r in cands}
         self.last_scores = scores
         chosen = self._pick_min(cands, lambda r: -scores[r.key])
-        self.last_reason = "hit" if parts.get("prefix", {}).get(chosen.key, 0) > 0 else "score"
+        hit = parts.get("prefix", {}).get(chosen.key, 0) > 0 or parts.get("precise", {}).get(chosen.key, 0) > 0
+        self.last_reason = "hit" if hit else "score"
         for s in self.scorers:
             s.on_pick(request, chosen)
         return chosen
+
+    def on_dispatch(self, request, replica):
+        for s in self.scorers:
+            s.on_dispatch(request, replica)
+
+    def on_finish(self, request, replica, output_tokens):
+        for s in self.scorers:
+            s.on_finish(request, replica)
 
     def forget(self, key):
         for s in self.scorers:

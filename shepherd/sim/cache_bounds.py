@@ -15,7 +15,10 @@
 Prompts are seen as the pieces that bench/traces.prompt_segments makes them of
 (Mooncake blocks, shared system prompt, session history, the request's own
 tokens), chained so that a piece only matches after the same pieces before
-it. Memory is one entry per distinct shared piece (infinite) and at most the
+it. A session's piece is kept with the turn's answer too (output - 1 tokens: the
+last one is sampled, never computed), as an engine caches it and as the next
+turn's prompt begins with it (the simulator's answers continue the session's
+stream: sim/session_tokens.py). Memory is one entry per distinct shared piece (infinite) and at most the
 pieces that fit the capacity (LRU): never per token. A hit is capped at the
 prompt minus one token, as the scheduler's lookup is. Rates are over prompt
 tokens (the scheduler also counts recomputed tokens after a preemption, so
@@ -61,6 +64,9 @@ class HitRateBounds:
         self.query += tr.prompt_tokens
         self.hit_inf += min(cap, self._match(pieces, self._seen))
         self.hit_lru += min(cap, self._match(pieces, self._lru))
+        if tr.session and pieces and pieces[-1][2]:      # the session piece ends the prompt: the answer joins it
+            key, n, shared = pieces[-1]
+            pieces[-1] = (key, n + max(0, tr.output_tokens - 1), shared)
         for key, n, shared in pieces:
             if shared and self._seen.get(key, 0) < n:
                 self._seen[key] = n

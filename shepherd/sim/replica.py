@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from shepherd.bench.records import RequestRecord
-from shepherd.bench.traces import token_objects
+from shepherd.bench.traces import stream_tokens, token_objects
 from shepherd.config import SchedulerConfig
 from shepherd.engine.build import assemble
 from shepherd.engine.core import VirtualClock
@@ -95,7 +95,17 @@ class SimTokens(SimExecutor):
     the prompt's last token (the SimExecutor's recurrence with the prompt's last
     token in place of the previous output token, so k tokens cost one expression;
     two requests with the same prompt still generate the same text). EOS only
-    at the request's target length, as in SimExecutor."""
+    at the request's target length, as in SimExecutor.
+
+    A turn of a multi-turn session answers with its session's own token stream
+    (`streams[req_id] = (seed, offset)`: position pos holds the stream's token
+    pos - offset), so the next turn's prompt, which continues that stream
+    (bench/traces.prompt_token_ids), starts with the answer the replica cached, as
+    a real chat client's next turn does."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.streams: dict[str, tuple[int, int]] = {}
 
     def next_token(self, st: SimSeq, n_out: int, prev: int) -> int:
         t = self.target_len(st)
@@ -104,6 +114,9 @@ class SimTokens(SimExecutor):
         return self._tok(st, st.prompt_len + n_out)
 
     def _tok(self, st: SimSeq, pos: int) -> int:
+        s = self.streams.get(st.req_id)
+        if s is not None:
+            return stream_tokens(s[0], pos - s[1], 1, self.vocab_size)[0]
         m = self.vocab_size - 3
         tok = 3 + (st.prompt_last * 1000003 + pos * 7919 + 12345) % m
         bad = st.stop_token_ids
@@ -116,7 +129,10 @@ class SimTokens(SimExecutor):
         when it is the request's target position (the caller guarantees no earlier one is)."""
         st = self.seqs[req_id]
         pos = st.prompt_len + n_out
-        if st.stop_token_ids or self.eos_token_id >= 3:
+        s = self.streams.get(req_id)
+        if s is not None:
+            out = stream_tokens(s[0], pos - s[1], k, self.vocab_size)
+        elif st.stop_token_ids or self.eos_token_id >= 3:
             out = [self._tok(st, p) for p in range(pos, pos + k)]
         else:
             m = self.vocab_size - 3
@@ -135,6 +151,11 @@ class SimTokens(SimExecutor):
         """token_block of every (req_id, n_out) of a fast-forward chunk, in one numpy pass over
         all of them when no request has stop ids (the same values; it pays from about three
         requests and a hundred tokens)."""
+        if self.streams and any(rid in self.streams for rid, _ in running):
+            out = {rid: self.token_block(rid, n, k) for rid, n in running if rid in self.streams}
+            rest = [(rid, n) for rid, n in running if rid not in self.streams]
+            out.update(self.token_blocks(rest, k) if rest else {})
+            return out
         seqs = self.seqs
         sts = [seqs[rid] for rid, _ in running]
         if (len(running) < 3 or len(running) * k < 100 or self.eos_token_id >= 3
@@ -266,6 +287,9 @@ class Replica:
             self.clock = now
         if not tr.req.params.ignore_eos:
             self.exec.set_output_len(tr.req.req_id, tr.target)
+        stream = getattr(tr.req, "sim_stream", None)      # a session's turn (Simulator.make_request)
+        if stream is not None:
+            self.exec.streams[tr.req.req_id] = stream
         self._counts = None
         self.sched.add(tr.req, now)
         self.quiet_until = -math.inf
@@ -378,6 +402,7 @@ class Replica:
         del self.tracks[rid]
         # the executor's per-request entries would otherwise outlive the request
         self.exec.output_lens.pop(rid, None)
+        self.exec.streams.pop(rid, None)
         self.exec.tokens_by_req.pop(rid, None)
         self.output_tokens += tr.ntok
         self.on_finish(self, tr)

@@ -58,12 +58,13 @@ import numpy as np
 
 from shepherd.bench.records import RequestRecord, TraceRequest
 from shepherd.bench.stream import RecordStats
-from shepherd.bench.traces import prompt_token_ids
+from shepherd.bench.traces import prompt_token_ids, session_stream
 from shepherd.config import SchedulerConfig, host_pool_tokens, whole_pages
 from shepherd.request import Request, SamplingParams
 from shepherd.sim.cache_bounds import HitRateBounds
 from shepherd.sim.cost_model import CostModel, RooflineCostModel
 from shepherd.sim.fitted_cost import make_cost_model
+from shepherd.sim.kv_feed import SimKVFeed
 from shepherd.sim.replica import Replica, ReplicaSpec, Track
 
 GC_YOUNG_THRESHOLD = 20_000     # see Simulator.run
@@ -226,6 +227,11 @@ class Simulator:
         self._routes: dict = {}
 
     # -- routing -----------------------------------------------------------------
+    @property
+    def policy(self):
+        """The routing policy of the last run (None before one, or without routing)."""
+        return self._router[1] if self._router is not None else None
+
     def _make_router(self):
         name = self.cfg.router
         try:
@@ -255,6 +261,8 @@ class Simulator:
                 st.waiting = nwait
                 st.kv_usage = used / max(1, rep.kv_capacity)
                 st.metrics_at = now
+        if self._kv_feed is not None:
+            self._kv_feed.sync()        # the replicas' caches as of now, exactly
         rr = R.RouteRequest(token_ids=req.prompt_ids, user=tr.client, session=tr.session,
                             input_tokens=tr.prompt_tokens, now=now, hash_ids=tr.hash_ids,
                             max_tokens=req.params.max_tokens, req_id=req.req_id)
@@ -296,6 +304,8 @@ class Simulator:
         rid = f"r{tr.index if tr.index is not None else i}"
         req = Request(req_id=rid, prompt_ids=prompt_token_ids(tr, self.vocab, self.cfg.block_size), params=params,
                       arrival=tr.arrival, client=tr.client, priority=tr.priority, eos_token_ids=(2,))
+        if tr.session and tr.prompt_ids is None:     # its answer continues the session (session_tokens.py)
+            req.sim_stream = session_stream(tr, self.cfg.block_size)
         return req, target
 
     def run(self, trace: Iterable[TraceRequest], *, total: Optional[int] = None,
@@ -325,6 +335,8 @@ class Simulator:
                            timeseries=cfg.timeseries, record_batches=cfg.record_batches)
         self.replicas = [Replica(i, spec, self.on_finish) for i in range(cfg.replicas)]
         self._router = self._make_router()
+        index = getattr(self._router[1], "kv_index", None) if self._router is not None else None
+        self._kv_feed = SimKVFeed(index, self.replicas) if index is not None else None
         self._lazy = self._router is None or cfg.router in LAZY_POLICIES
         self._skip_quiet = cfg.skip_quiet and cfg.router in COUNT_POLICIES
         self.finished = 0
@@ -349,6 +361,8 @@ class Simulator:
             prog.update(n, tr.arrival)
         for rep in self.replicas:
             rep.advance_to(math.inf)
+        if self._kv_feed is not None:
+            self._kv_feed.sync()            # the router's index ends where the caches end
         prog.close(n, max((r.clock for r in self.replicas), default=0.0))
         for rep in self.replicas:
             for track in list(rep.tracks.values()):    # never finished (e.g. stuck without memory)
