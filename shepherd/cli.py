@@ -1,4 +1,4 @@
-"""`shepherd serve | gateway | simulate | calibrate | bench | ray-serve`.
+"""`shepherd serve | gateway | epp | simulate | calibrate | bench | ray-serve`.
 
 Each subcommand lives beside the code it drives and exposes
 `add_arguments(parser)` and `main(args) -> int`; this file only dispatches,
@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "serve": ("shepherd.server.serve_cli", "serve a model over an OpenAI-compatible API"),
     "gateway": ("shepherd.gateway.gateway_cli", "route requests across replicas"),
+    "epp": ("shepherd.epp.epp_cli", "pick endpoints for Envoy (ext_proc, Gateway API Inference Extension)"),
     "simulate": ("shepherd.sim.sim_cli", "simulate a serving cluster on a trace"),
     "calibrate": ("shepherd.sim.calibrate", "time the torch executor and fit a cost model"),
     "bench": ("shepherd.bench.bench_cli", "load an OpenAI endpoint and report latency/throughput"),

@@ -14,7 +14,7 @@ Layers, bottom to top:
     1  scheduler/, model/, kv_events/ (pure: hashes, wire format, tracker, index)
     2  routing/
     3  engine/, kv_events/{publisher,subscriber}.py (ZMQ I/O)
-    4  sim/, bench/, server/, gateway/, deploy/   (bench and sim: one direction at most)
+    4  sim/, bench/, server/, gateway/, deploy/, epp/   (bench and sim: one direction at most)
     5  cli.py, __main__.py
 
 Module and function sizes are a printed report, not a cap: a cap steers the
@@ -33,7 +33,7 @@ LAYERS = {
     "shepherd.scheduler": 1, "shepherd.model": 1, "shepherd.kv_events": 1,
     "shepherd.routing": 2,
     "shepherd.engine": 3, "shepherd.kv_events.publisher": 3, "shepherd.kv_events.subscriber": 3,
-    "shepherd.sim": 4, "shepherd.bench": 4, "shepherd.server": 4, "shepherd.gateway": 4, "shepherd.deploy": 4,
+    "shepherd.sim": 4, "shepherd.bench": 4, "shepherd.server": 4, "shepherd.gateway": 4, "shepherd.deploy": 4, "shepherd.epp": 4,
     "shepherd.cli": 5, "shepherd.__main__": 5,
 }
 

@@ -43,6 +43,7 @@ from shepherd.engine.core_loop import (ABORT, ADD, FINISH, SHUTDOWN, WATCHDOG_EX
                                        start_watchdog, watchdog_exit)
 from shepherd.engine.metrics import EngineMetrics
 from shepherd.engine.output import EngineOutput, OutputProcessor, RequestStream, answer_admission
+from shepherd.kv_events.hashing import BLOCK_SIZE
 from shepherd.request import Request, SamplingParams
 from shepherd.scheduler.scheduler import QueueFull, RequestRejected, SchedulerStats
 from shepherd.step import Executor
@@ -78,6 +79,12 @@ class EngineFront:
         self.eos_token_ids = tuple(info.eos_token_ids)
         self.model_name = info.model_name
         self.metrics = EngineMetrics(self.model_name)
+        # blocks in the sense of the KV events (16 tokens, whatever the allocation page size)
+        self.metrics.set_cache_config(
+            block_size=BLOCK_SIZE, num_gpu_blocks=info.kv_capacity // BLOCK_SIZE,
+            num_cpu_blocks=info.host_kv_capacity // BLOCK_SIZE, cache_dtype=cfg.dtype,
+            enable_prefix_caching=str(cfg.scheduler.prefix_cache).lower(), engine=0,
+            kv_events=str(cfg.kv_events is not None and cfg.kv_events.enabled).lower())
         self.outputs = OutputProcessor(tokenizer, self.metrics, self.model_name)
         self._admitting: dict[str, tuple[RequestStream, Request]] = {}   # sent, not answered yet
         self._ids = itertools.count()

@@ -84,6 +84,14 @@ class EngineMetrics:
 
         self._last = None  # previous SchedulerStats, for counter deltas
 
+    def set_cache_config(self, **info) -> None:
+        """vllm:cache_config_info: an info gauge (always 1) whose labels describe the KV cache, as
+        vLLM's CacheConfig does; GIE and llm-d read block_size and num_gpu_blocks from it."""
+        labels = {k: str(v) for k, v in info.items()}
+        g = Gauge("vllm:cache_config_info", "Information of the engine's KV cache (vLLM's CacheConfig labels).",
+                  sorted(labels), registry=self.registry)
+        g.labels(**labels).set(1)
+
     # ---- updates (called from the engine thread) ----
     def update_from_stats(self, st) -> None:
         self.num_waiting.set(st.num_waiting + st.num_swapped)

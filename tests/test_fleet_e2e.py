@@ -1,0 +1,170 @@
+"""Real replicas publishing KV events: two `shepherd serve` processes (simulated executor, real
+tokenizer and HTTP) read by NVIDIA Dynamo's runtime-free indexer (optional: the ai-dynamo-runtime
+wheel) and by shepherd's own gateway index."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from shepherd.kv_events.hashing import chain_hashes
+from shepherd.kv_events.index import KVBlockIndex
+from shepherd.kv_events.subscriber import KVEventSubscriber, Source
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, timeout=30.0, what="condition"):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Replica:
+    """`shepherd serve --executor sim` with KV events on loopback."""
+
+    def __init__(self, capacity: int = 512):
+        self.port, self.pub, self.replay = free_port(), free_port(), free_port()
+        self.capacity = capacity
+        self.proc = None
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def source(self):
+        return Source(self.url, f"tcp://127.0.0.1:{self.pub}", f"tcp://127.0.0.1:{self.replay}")
+
+    def start(self):
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.pub}",
+               "replay_endpoint": f"tcp://*:{self.replay}"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shepherd", "serve", "--executor", "sim", "--port", str(self.port),
+             "--max-total-tokens", str(self.capacity), "--log-level", "warning", "--kv-events-config", json.dumps(cfg)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+        def up():
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()[-2000:]
+            try:
+                return httpx.get(self.url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(up, 120, "the replica to start")
+        return self
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def serve(self, ids, max_tokens=4):
+        r = httpx.post(self.url + "/v1/completions", json={"prompt": ids, "max_tokens": max_tokens,
+                                                            "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture
+def two_replicas():
+    reps = [Replica().start(), Replica().start()]
+    yield reps
+    for r in reps:
+        r.stop()
+
+
+def test_replicas_publish_what_they_cache_and_what_they_evict(two_replicas):
+    a, b = two_replicas
+    m = httpx.get(a.url + "/metrics").text
+    assert 'vllm:cache_config_info{' in m and 'block_size="16"' in m and 'num_gpu_blocks="32"' in m
+    index = KVBlockIndex()
+    sub = KVEventSubscriber(index, [a.source, b.source], replay_timeout=5.0)
+    sub.start()
+    try:
+        p = list(range(1000, 1100))                 # 100 tokens: 6 full blocks
+        a.serve(p)
+        wait_until(lambda: index.match(chain_hashes(p), [a.url, b.url]) == {a.url: 6}, what="A's 6 blocks")
+        # a second prompt shares p's first 50 tokens; then unrelated prompts fill A's 512-token cache:
+        # the least recently used leaf goes first, p's own tail, a node that ends block 5 but starts
+        # inside block 3 (a partial node): p keeps the 3 blocks of the shared 50 tokens
+        a.serve(p[:50] + list(range(7000, 7100)))
+        for k in range(2):
+            a.serve(list(range(20000 + 1000 * k, 20000 + 1000 * k + 160)))
+        wait_until(lambda: index.match(chain_hashes(p), [a.url]).get(a.url) == 3, what="the eviction")
+        assert sub.status()[a.url]["state"] == "complete" and sub.status()[a.url]["drops"] == 0
+    finally:
+        sub.close()
+
+
+def _dynamo():
+    try:
+        from dynamo._core import SelectionService
+    except ImportError:
+        return None
+    return SelectionService
+
+
+def test_dynamo_indexer_reads_shepherd_replicas(two_replicas):
+    """A third-party consumer: Dynamo's runtime-free SelectionService subscribed to both replicas
+    (pip install ai-dynamo-runtime; `make test` installs it where its wheel installs)."""
+    SelectionService = _dynamo()
+    if SelectionService is None:
+        pytest.skip("ai-dynamo-runtime is not installed")
+    a, b = two_replicas
+
+    async def go():
+        svc = SelectionService(indexer_threads=1)
+        try:
+            for wid, r in ((1, a), (2, b)):
+                await svc.upsert_worker({"worker_id": wid, "model_name": "m", "endpoint": r.url, "block_size": 16,
+                                         "kv_events_endpoint": r.source.endpoint, "replay_endpoint": r.source.replay})
+
+            async def scores(ids):
+                """{worker id: blocks of ids it holds on the device}, as Dynamo's indexer sees them."""
+                got = await svc.overlap_scores({"model_name": "m", "token_ids": ids})
+                return {w["worker_id"]: w["device_blocks"] for w in got.get("workers") or ()}
+
+            async def until(ids, want, what):
+                end = time.monotonic() + 30
+                while True:
+                    s = await scores(ids)
+                    if s.get(1, 0) == want.get(1, 0) and s.get(2, 0) == want.get(2, 0):
+                        return s
+                    assert time.monotonic() < end, f"{what}: Dynamo says {s}, expected {want}"
+                    await asyncio.sleep(0.05)
+
+            p = list(range(1000, 1100))
+            await asyncio.to_thread(a.serve, p)
+            await until(p, {1: 6, 2: 0}, "a 100-token prompt served by A")
+            await asyncio.to_thread(a.serve, p[:50] + list(range(7000, 7100)))
+            for k in range(2):
+                await asyncio.to_thread(a.serve, list(range(20000 + 1000 * k, 20000 + 1000 * k + 160)))
+            await until(p, {1: 3, 2: 0}, "after A evicted p's tail")
+            await asyncio.to_thread(a.stop)
+            await asyncio.to_thread(a.start)                 # same ports, a new process, an empty cache
+            await until(p, {1: 0, 2: 0}, "after A restarted")
+            await asyncio.to_thread(a.serve, p)
+            await until(p, {1: 6, 2: 0}, "A serves p again")
+        finally:
+            svc.shutdown()
+    asyncio.run(go())
