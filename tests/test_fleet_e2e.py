@@ -135,9 +135,11 @@ def test_dynamo_indexer_reads_shepherd_replicas(two_replicas):
     async def go():
         svc = SelectionService(indexer_threads=1)
         try:
+            def worker(wid, r):
+                return {"worker_id": wid, "model_name": "m", "endpoint": r.url, "block_size": 16,
+                        "kv_events_endpoint": r.source.endpoint, "replay_endpoint": r.source.replay}
             for wid, r in ((1, a), (2, b)):
-                await svc.upsert_worker({"worker_id": wid, "model_name": "m", "endpoint": r.url, "block_size": 16,
-                                         "kv_events_endpoint": r.source.endpoint, "replay_endpoint": r.source.replay})
+                await svc.upsert_worker(worker(wid, r))
 
             async def scores(ids):
                 """{worker id: blocks of ids it holds on the device}, as Dynamo's indexer sees them."""
@@ -162,6 +164,11 @@ def test_dynamo_indexer_reads_shepherd_replicas(two_replicas):
             await until(p, {1: 3, 2: 0}, "after A evicted p's tail")
             await asyncio.to_thread(a.stop)
             await asyncio.to_thread(a.start)                 # same ports, a new process, an empty cache
+            # Dynamo 1.6.1 reads a registered worker's sequence as one stream: a restarted publisher's
+            # (from 0 again, as vLLM's) is ignored, so a restart is a new instance to its discovery,
+            # which re-registers it. After that nothing of A's first life is left.
+            await svc.delete_worker(1)
+            await svc.upsert_worker(worker(1, a))
             await until(p, {1: 0, 2: 0}, "after A restarted")
             await asyncio.to_thread(a.serve, p)
             await until(p, {1: 6, 2: 0}, "A serves p again")
