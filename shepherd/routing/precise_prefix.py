@@ -96,17 +96,18 @@ class PrecisePrefixPolicy(RoutingPolicy):
     the replica that has just computed that prefix (its pressure grew by exactly that
     much), unless that replica has taken 1/weight times the prefix more than the
     emptiest. The minimum cost wins ("hit" when the chosen replica holds a block of the
-    prompt, else "miss"); equal costs go to the least loaded, round robin. First, a load
+    prompt, else "miss"); among equal costs the lower pressure, then the least loaded,
+    round robin. First, a load
     gap over both thresholds (max - min > balance_abs_threshold and max > min x
     balance_rel_threshold) sends the request to the least loaded replica ("imbalance"),
     as SGLang's cache-aware router does.
 
-    Knobs: pressure_weight (0.1; 0: the longest match, then the least loaded),
+    Knobs: pressure_weight (0.01; 0: pressure only breaks ties between equal matches),
     pressure_window (256 decisions), balance_abs_threshold (32), balance_rel_threshold
     (1.5). docs/ROUTING.md has the simulated comparison behind the defaults."""
     name = "precise-prefix"
 
-    def __init__(self, pressure_weight: float = 0.1, pressure_window: int = 256,
+    def __init__(self, pressure_weight: float = 0.01, pressure_window: int = 256,
                  balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5) -> None:
         super().__init__()
         if pressure_window < 1:
@@ -137,7 +138,7 @@ class PrecisePrefixPolicy(RoutingPolicy):
             floor = min(p.get(r.key, 0.0) for r in cands)
             w = self.pressure_weight
             cost = {r.key: n - m.get(r.key, 0) + int(w * (p.get(r.key, 0.0) - floor) / bs) for r in cands}
-            chosen = self._pick_min(cands, lambda r: (cost[r.key], r.load))
+            chosen = self._pick_min(cands, lambda r: (cost[r.key], int((p.get(r.key, 0.0) - floor) // bs), r.load))
             held = bs * m.get(chosen.key, 0)
             self.last_reason = "hit" if held else "miss"
             self.last_match = held / length if length else 0.0
