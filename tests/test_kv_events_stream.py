@@ -20,7 +20,7 @@ from shepherd.kv_events.publisher import KVEventPublisher
 from shepherd.kv_events.subscriber import KVEventSubscriber, Source, parse_source
 from shepherd.request import Request, SamplingParams
 from shepherd.scheduler.scheduler import Scheduler
-from shepherd.sim.sim_executor import SimExecutor
+from shepherd.engine.sim_executor import SimExecutor
 
 try:
     from kv_fakes import FakePublisher, cached_hashes, loopback, wait_until
