@@ -16,7 +16,7 @@ import logging
 import signal
 import sys
 
-from shepherd.routing import POLICY_NAMES, make_policy, parse_knobs
+from shepherd.routing import POLICY_NAMES
 
 EXIT_CONFIG = 2
 
@@ -47,11 +47,9 @@ def build_picker(args: argparse.Namespace):
 
     from shepherd.epp.picker import EndpointPicker
     from shepherd.gateway.backends import BackendPool, HealthConfig
+    from shepherd.gateway.gateway_cli import policy_from_args
     from shepherd.gateway.kv_routing import KVRouting
-    knobs = parse_knobs(args.policy_knob)
-    if args.scorer_weights is not None:
-        knobs["weights"] = args.scorer_weights
-    policy = make_policy(args.policy, **knobs)
+    policy = policy_from_args(args)
     pool = BackendPool(args.endpoint, backend_file=args.endpoint_file,
                        health=HealthConfig(metrics_interval=args.metrics_interval,
                                            health_interval=args.health_interval))

@@ -62,15 +62,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
+def policy_from_args(args: argparse.Namespace):
+    """The routing policy named by --policy, --policy-knob and --scorer-weights (the gateway's and the EPP's)."""
+    knobs = parse_knobs(args.policy_knob)
+    if args.scorer_weights is not None:
+        knobs["weights"] = args.scorer_weights
+    return make_policy(args.policy, **knobs)
+
+
 def build_gateway(args: argparse.Namespace):
     """(Gateway, policy name) from parsed arguments; ValueError on a bad configuration."""
     from shepherd.gateway.app import Gateway, GatewayConfig
     from shepherd.gateway.backends import BackendPool, HealthConfig
     from shepherd.gateway.kv_routing import KVRouting
-    knobs = parse_knobs(args.policy_knob)
-    if args.scorer_weights is not None:
-        knobs["weights"] = args.scorer_weights
-    policy = make_policy(args.policy, **knobs)
+    policy = policy_from_args(args)
     for name in ("retries", "fail_threshold", "success_threshold"):
         if getattr(args, name) < (0 if name == "retries" else 1):
             raise ValueError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
