@@ -50,7 +50,9 @@ class SchedulerConfig:
     new_token_ratio_min: float = 0.1
     new_token_ratio_decay_steps: int = 600
     reserve_cap_tokens: int = 4096       # per-request cap on the growth reserve
-    # aging: a request that has waited this many scheduler steps is served first under any policy
+    # aging: a request that has waited this many scheduler steps is served first under the
+    # policies that can starve one (lof, random, lpm, dfs-weight, priority; not vtc, whose
+    # counters serve every backlogged client: policy.py), and is never overtaken when it does not fit
     aging_steps: int = 200
     lpm_fcfs_threshold: int = 128        # lpm falls back to fcfs when more requests wait (SGLang)
     lookahead: int = 8                   # waiting requests examined past a head that does not fit

@@ -195,7 +195,9 @@ def test_request_that_never_fits_is_a_counted_failure():
           TraceRequest(arrival=0.1, prompt_tokens=100, output_tokens=10, index=1)]
     res = run(tr, kv_capacity=2000)
     assert [r.ok for r in res.records] == [False, True]
-    assert res.records[0].error_kind in ("rejected", "error")
+    assert res.records[0].error_kind == "kv_capacity"
+    assert res.rejections == {"kv_capacity": {"count": 1, "reason": (
+        "prompt has 3000 tokens; with one output token it exceeds the KV capacity of 2000 tokens")}}
 
 
 def test_cli_writes_summary(tmp_path):

@@ -207,10 +207,32 @@ def _cache_rows(s: dict) -> list[tuple[str, str]]:
     return rows
 
 
+REJECT_HINTS = {"context_length": "longer than the model's context (--max-model-len)",
+                "kv_capacity": "more KV than a replica holds",
+                "queue_full": "raise --max-queue to queue them",
+                "concurrency_full": "raise --max-concurrency to queue them"}
+
+
+def _requests_rows(s: dict) -> list[tuple[str, str]]:
+    """Completions, rejections (with their reasons: a simulator's `rejections`) and the
+    other failures, side by side."""
+    rej = s.get("rejections") or {}
+    nrej = sum(v["count"] for v in rej.values())
+    other = s["failed"] - nrej
+    head = f"{_fmt(s['requests'])} ({_fmt(s['completed'])} completed"
+    head += f", {_fmt(nrej)} rejected" if rej else ""
+    head += f", {_fmt(other)} failed)" if other or not rej else ")"
+    rows = [("requests", head)]
+    for kind, v in rej.items():
+        hint = REJECT_HINTS.get(kind)
+        rows.append((f"  rejected: {kind}", f"{_fmt(v['count'])}: {v['reason']}" + (f" ({hint})" if hint else "")))
+    return rows
+
+
 def format_table(summary: dict) -> str:
     s = summary
     rows = [
-        ("requests", f"{_fmt(s['requests'])} ({_fmt(s['completed'])} completed, {_fmt(s['failed'])} failed)"),
+        *_requests_rows(s),
         ("duration", f"{_fmt(s['duration_s'])} s" + (f"   (wall {_fmt(s['wall_s'])} s)" if s.get("wall_s") else "")),
         ("throughput", f"{_fmt(s['throughput_req_s'])} req/s   {_fmt(s['output_tok_s'])} out tok/s   "
                        f"{_fmt(s['total_tok_s'])} total tok/s"),
@@ -228,8 +250,17 @@ def format_table(summary: dict) -> str:
     if s.get("slo_ttft") is not None or s.get("slo_tpot") is not None:
         rows.append(("goodput", f"{_fmt(s['goodput_req_s'])} req/s  ({_fmt(s['slo_attainment'])} of completed "
                                 f"within TTFT<={s.get('slo_ttft')} s, TPOT<={s.get('slo_tpot')} s)"))
-    if s.get("failures"):
-        rows.append(("failures", ", ".join(f"{k}: {v}" for k, v in s["failures"].items())))
+    rej = s.get("rejections") or {}
+    other = {k: v for k, v in (s.get("failures") or {}).items() if k not in rej}
+    if other:
+        rows.append(("failures", ", ".join(f"{k}: {v}" for k, v in other.items())))
+    cr = (s.get("sim") or {}).get("cost_model_range")
+    if cr and cr.get("steps_beyond"):
+        lo, hi = cr["profiled_tokens"]
+        floor = (f"; {_fmt(cr['steps_at_roofline_floor'])} of them at the roofline floor"
+                 if cr.get("floor") == "roofline" else "; no roofline floor known: extrapolated, never downwards")
+        rows.append(("cost model range", f"{_fmt(cr['steps_beyond'])} steps beyond the profiled {_fmt(hi)} tokens"
+                                         f"{floor}"))
     pc = s.get("per_client") or {}
     if len(pc) > 1:
         rows.append(("Jain fairness", f"{_fmt(s.get('jain_fairness_backlogged'))} while >= 2 clients backlogged "

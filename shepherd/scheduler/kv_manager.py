@@ -85,14 +85,21 @@ class KVManager:
 
     def candidate_need(self, e: Entry) -> tuple[int, int, int]:
         """(own tokens, growth b, locked-from-free) for admitting waiting e now.
-        No side effects: a failed attempt leaves the cache exactly as it was."""
+        No side effects on the cache: a failed attempt leaves it exactly as it was. The
+        match is remembered on the entry (RadixCache.match_memo), so a request that waits
+        through many steps is not compared against the tree again while the tree around
+        its match has not changed."""
         req = e.req
-        ids = req.all_ids if req.output_ids else req.prompt_ids   # no copy of a prompt that waits
+        n = len(req.prompt_ids) + len(req.output_ids)
         hit = locked = 0
         if self.tree is not None:
-            hit, locked = self.tree.match_info(ids, len(ids) - 1)
-        own = self.pool.pages_needed(hit, len(ids) - hit) * self.page_size
-        return own, self._growth(e, len(ids)), locked
+            hit, locked, e.prefix_memo = self.tree.match_memo(e.prefix_memo, n - 1, lambda: self._ids(req))
+        own = self.pool.pages_needed(hit, n - hit) * self.page_size
+        return own, self._growth(e, n), locked
+
+    @staticmethod
+    def _ids(req) -> list[int]:
+        return req.all_ids if req.output_ids else req.prompt_ids   # no copy of a prompt that waits
 
     def swap_need(self, e: Entry) -> tuple[int, int, int]:
         n = e.req.num_tokens
@@ -102,7 +109,8 @@ class KVManager:
     def admit(self, e: Entry, own: int) -> None:
         """Give waiting e its whole known sequence: the cached prefix (locked) plus `own` fresh tokens."""
         req = e.req
-        ids = req.all_ids if req.output_ids else req.prompt_ids
+        ids = self._ids(req)
+        e.prefix_memo = None          # running now: the memo would only keep nodes alive
         hit = 0
         req.slots = []
         st = self.stats

@@ -17,10 +17,14 @@ vtc         Virtual Token Counter (Sheng et al., OSDI'24): one counter per
             to the smallest counter among backlogged clients. The charge is
             made once per token (the finishing step is not charged twice).
 
-Aging: under every policy but fcfs, a request that has waited aging_steps
-scheduler steps comes first (in arrival order), so nothing waits forever.
-Under every policy, an aged request that does not fit also stops the
-look-ahead past it, so it is not overtaken forever by smaller ones.
+Aging: under the policies that can starve a request (lof, random, lpm,
+dfs-weight, priority), a request that has waited aging_steps scheduler steps
+comes first (in arrival order), so nothing waits forever. fcfs is arrival
+order already, and vtc does not age: its counters already serve every
+backlogged client in turn, and under a long overload every request ages, so
+aging would turn vtc into fcfs (measured in docs/SIMULATION.md, "VTC
+reproduction"). Under every policy, an aged request that does not fit also
+stops the look-ahead past it, so it is not overtaken forever by smaller ones.
 
 Ordering is computed only when an admission is attempted, and fcfs never
 sorts: the queue is a deque kept in order.
@@ -39,6 +43,7 @@ class Policy:
     charges_tokens = False    # on_tokens does something
     ranked = False            # rank() matters: swap-in, step budget and victims follow it
     preempts = False          # a waiting request may preempt lower-ranked running ones
+    ages = True               # order() puts requests waiting aging_steps first (see the module doc)
 
     def __init__(self, cfg, tree=None, admission=None):
         self.cfg = cfg
@@ -72,7 +77,17 @@ class Policy:
         return None
 
     # helpers
+    def _match(self, e):
+        """The radix tree's match of e's known tokens but the last (the prefix its admission
+        would reuse), from the entry's memo while the tree has not changed there (see
+        RadixCache.match_memo; KVManager.candidate_need keeps the same memo)."""
+        r = e.req
+        e.prefix_memo = self.tree.match_memo(e.prefix_memo, r.num_tokens - 1, lambda: r.all_ids)[2]
+        return e.prefix_memo
+
     def _aged_split(self, waiting, step: int):
+        if not self.ages:
+            return [], list(waiting)
         lim = self.cfg.aging_steps
         aged, rest = [], []
         for e in waiting:
@@ -145,7 +160,7 @@ class LPM(_Sorted):
         return super().order(waiting, step)
 
     def key(self, e):
-        return (-self.tree.match_len(e.req.all_ids[:-1]), e.seq)
+        return (-self._match(e).hit, e.seq)
 
 
 class DFSWeight(Policy):
@@ -160,7 +175,7 @@ class DFSWeight(Policy):
         at_node = defaultdict(list)
         weight = defaultdict(int)
         for e in rest:
-            node = tree.deepest_node(e.req.all_ids[:-1])
+            node = self._match(e).deepest
             at_node[node.id].append(e)
             while node is not None:
                 weight[node.id] += 1
@@ -181,6 +196,7 @@ class VTC(Policy):
     needs_sort = True
     dynamic = True
     charges_tokens = True
+    ages = False
 
     def __init__(self, cfg, tree=None, admission=None):
         super().__init__(cfg, tree, admission)

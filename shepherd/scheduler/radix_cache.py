@@ -13,18 +13,23 @@ SGLang's RadixAttention, reduced to what the scheduler needs:
 - with an event log attached (`events`), every node added, split or evicted is
   appended to it as a plain record (scheduler/cache_events.py): what the KV-event
   publisher turns into vLLM's BlockStored / BlockRemoved.
+- `match_memo` answers a waiting request's match from what it found last time
+  while the tree around where that match ended has not changed (every node
+  keeps a `version`, bumped when a child is added or removed, when it is split
+  and when it is evicted): a deep queue of long prompts is not compared again
+  every step.
 """
 from __future__ import annotations
 
 import heapq
-from typing import Optional
+from typing import Callable, Optional
 
 from shepherd.scheduler.cache_events import CacheEventLog, NodeAdded, NodeEvicted, NodeSplit
 from shepherd.scheduler.kv_pool import KVPool
 
 
 class Node:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id", "version")
 
     def __init__(self, key: list[int], value: list[int], parent: Optional["Node"], nid: int):
         self.key = key
@@ -34,6 +39,7 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
         self.id = nid
+        self.version = 0       # bumped when a match ending here or inside could change (see match_memo)
 
     def __lt__(self, other: "Node") -> bool:  # heap tie-break
         return (self.last_access, self.id) < (other.last_access, other.id)
@@ -55,6 +61,36 @@ def _common_len(key: list[int], ids: list[int], start: int) -> int:
         else:
             hi = mid
     return lo
+
+
+class PrefixMatch:
+    """What match_memo found for one request's ids[:n]: `hit` tokens, ending at the end of
+    `node` (the root: none) or, when `child` is set, `partial` tokens into node's child
+    `child`; with the versions both had then."""
+    __slots__ = ("n", "hit", "node", "node_version", "child", "child_version", "partial")
+
+    def __init__(self, n: int, hit: int, node: Node, child: Optional[Node], partial: int):
+        self.n = n
+        self.hit = hit
+        self.node = node
+        self.node_version = node.version
+        self.child = child
+        self.child_version = child.version if child is not None else 0
+        self.partial = partial
+
+    def holds(self, n: int) -> bool:
+        """Still the answer for ids[:n]: a match can only grow where it ended (a child added
+        to `node`, or `child` split where it diverged) and only shrink by an eviction on its
+        path, which reaches `node` or `child` first (eviction goes leaf-first); each of those
+        bumps the version of `node` or `child`."""
+        c = self.child
+        return (n == self.n and self.node.version == self.node_version
+                and (c is None or c.version == self.child_version))
+
+    @property
+    def deepest(self) -> Node:
+        """RadixCache.deepest_node of the same ids: the node where the match ended or diverged."""
+        return self.child if self.child is not None else self.node
 
 
 class RadixCache:
@@ -135,58 +171,50 @@ class RadixCache:
 
     def match_len(self, ids: list[int]) -> int:
         """Length of the cached prefix, without touching or splitting anything."""
-        p = self.page_size
-        n = len(ids) - len(ids) % p
-        node = self.root
-        i = 0
-        while i < n:
-            child, m = self._next(node, ids, i, n)
-            if m == 0:
-                break
-            i += m
-            if m < len(child.key):
-                break
-            node = child
-        return i
+        return self._walk(ids, len(ids)).hit
 
     def deepest_node(self, ids: list[int]) -> Node:
         """The deepest node whose whole key path is a prefix of ids, or inside whose own key
         ids end or diverge (its subtree is where ids belong); no split, no touch."""
-        p = self.page_size
-        node = self.root
-        i = 0
-        n = len(ids) - len(ids) % p
-        while i < n:
-            child = node.children.get(self._child_key(ids, i))
-            if child is None:
-                break
-            m = _common_len(child.key, ids, i)
-            node = child             # a partial match still belongs to this subtree
-            if m < len(child.key):
-                break
-            i += m
-        return node
+        return self._walk(ids, len(ids)).deepest
 
     def match_info(self, ids: list[int], n: Optional[int] = None) -> tuple[int, int]:
         """(cached prefix length of ids[:n], how many of those tokens are unlocked now)
         without touching or splitting anything: what admission checks use."""
-        p = self.page_size
-        n = len(ids) if n is None else n
-        n -= n % p
+        hit, unlocked, _ = self.match_memo(None, len(ids) if n is None else n, lambda: ids)
+        return hit, unlocked
+
+    def match_memo(self, memo: Optional[PrefixMatch], n: int,
+                   ids: Callable[[], list[int]]) -> tuple[int, int, PrefixMatch]:
+        """match_info(ids(), n), answered from `memo` (what this call returned last time for
+        the same request) while it holds; ids is called only when the tree must be walked
+        again. Returns (hit, unlocked, the memo to keep). O(nodes on the unlocked end of
+        the path) when the memo holds, whatever the prompt's length."""
+        if memo is None or not memo.holds(n):
+            memo = self._walk(ids(), n)
+        c = memo.child
+        unlocked = memo.partial if c is not None and c.lock_ref == 0 else 0
+        node = memo.node
+        root = self.root
+        while node is not root and node.lock_ref == 0:   # locks run up the tree: the unlocked part is a tail
+            unlocked += len(node.key)
+            node = node.parent
+        return memo.hit, unlocked, memo
+
+    def _walk(self, ids: list[int], n: int) -> PrefixMatch:
+        """match_info's walk over ids[:n], kept as a PrefixMatch (keyed by n as given)."""
+        end = n - n % self.page_size
         node = self.root
         i = 0
-        unlocked = 0
-        while i < n:
-            child, m = self._next(node, ids, i, n)
+        while i < end:
+            child, m = self._next(node, ids, i, end)
             if m == 0:
                 break
-            if child.lock_ref == 0:
-                unlocked += m
             i += m
             if m < len(child.key):
-                break
+                return PrefixMatch(n, i, node, child, m)
             node = child
-        return i, unlocked
+        return PrefixMatch(n, i, node, None, 0)
 
     def _split(self, child: Node, m: int) -> Node:
         """Cut child after m tokens; returns the new upper node."""
@@ -195,6 +223,8 @@ class RadixCache:
         new.lock_ref = child.lock_ref
         new.last_access = child.last_access
         self._num_nodes += 1
+        parent.version += 1
+        child.version += 1
         parent.children[self._child_key(child.key, 0)] = new
         child.key = child.key[m:]
         child.value = child.value[m:]
@@ -242,6 +272,7 @@ class RadixCache:
             value = slots[i:n] if isinstance(slots, list) else list(slots[i:n])
             leaf = Node(key, value, node, self._next_id())
             leaf.last_access = t
+            node.version += 1
             node.children[self._child_key(ids, i)] = leaf
             self._num_nodes += 1
             self.evictable_size += n - i
@@ -314,6 +345,9 @@ class RadixCache:
             parent = nd.parent
             del parent.children[self._child_key(nd.key, 0)]
             nd.parent = None
+            nd.version += 1
+            parent.version += 1
+            nd.key, nd.value = [], []   # a waiting request's memo may still point here: hold nothing
             self._num_nodes -= 1
             if self.events is not None:
                 self.events.records.append(NodeEvicted(nd.id))

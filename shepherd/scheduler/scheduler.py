@@ -123,10 +123,11 @@ class Scheduler:
             raise RequestRejected(f"max_tokens must be >= 1, got {req.params.max_tokens}")
         err = context_error(n, self.max_model_len)
         if err:
-            raise RequestRejected(err)
+            raise RequestRejected(err, kind="context_length")
         if n + 1 > self.capacity:
             raise RequestRejected(
-                f"prompt has {n} tokens; with one output token it exceeds the KV capacity of {self.capacity} tokens")
+                f"prompt has {n} tokens; with one output token it exceeds the KV capacity of {self.capacity} tokens",
+                kind="kv_capacity")
         limit = min(req.params.max_tokens, self.max_model_len - n)
         if self.mode.reserves_output:
             need = n + limit - 1
@@ -134,11 +135,11 @@ class Scheduler:
                 raise RequestRejected(
                     f"prompt ({n}) + max_tokens ({limit}) needs {need} KV tokens, more than the capacity "
                     f"of {self.capacity}; admission={cfg.admission} reserves the whole output "
-                    f"(lower max_tokens or use admission=optimistic)")
+                    f"(lower max_tokens or use admission=optimistic)", kind="kv_capacity")
         if len(q.waiting) >= cfg.max_queue:
             raise QueueFull(f"waiting queue is full ({cfg.max_queue} requests)")
         if len(q) >= cfg.max_concurrency:
-            raise QueueFull(f"too many requests in flight ({cfg.max_concurrency})")
+            raise QueueFull(f"too many requests in flight ({cfg.max_concurrency})", kind="concurrency_full")
         q.add(req, self._step, limit, self._rng.random())
 
     # ------------------------------------------------------------------ endings

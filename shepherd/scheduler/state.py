@@ -9,15 +9,23 @@ from shepherd.request import Request
 
 
 class QueueFull(Exception):
-    """max_queue / max_concurrency reached: answer 429 with Retry-After."""
+    """max_queue / max_concurrency reached: answer 429 with Retry-After. `kind` names the
+    limit ("queue_full": max_queue, "concurrency_full": max_concurrency) for reports."""
 
-    def __init__(self, message: str, retry_after: float = 1.0):
+    def __init__(self, message: str, retry_after: float = 1.0, kind: str = "queue_full"):
         super().__init__(message)
         self.retry_after = retry_after
+        self.kind = kind
 
 
 class RequestRejected(ValueError):
-    """The request can never be served under this configuration (e.g. prompt + 1 > capacity)."""
+    """The request can never be served under this configuration (e.g. prompt + 1 > capacity).
+    `kind` says why, for reports: "context_length" (beyond max_model_len), "kv_capacity"
+    (more KV than the pool holds), "invalid" (anything else)."""
+
+    def __init__(self, message: str, kind: str = "invalid"):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -76,7 +84,8 @@ class SchedulerSnapshot(NamedTuple):
 class Entry:
     """Scheduler-private bookkeeping for one request."""
     __slots__ = ("req", "seq", "enq_step", "admit_seq", "node", "cached_len", "limit", "final",
-                 "rand_key", "synced", "announced", "host_tokens", "admitted_once", "stop_ids", "out_at_admit")
+                 "rand_key", "synced", "announced", "host_tokens", "admitted_once", "stop_ids", "out_at_admit",
+                 "prefix_memo")
 
     def __init__(self, req: Request, seq: int, step: int, limit: int, rand_key: float):
         self.req = req
@@ -94,6 +103,7 @@ class Entry:
         self.admitted_once = False
         self.out_at_admit = 0
         self.stop_ids = req.stop_id_set()
+        self.prefix_memo = None                      # RadixCache.match_memo's answer for it, while waiting
 
     def in_prefill(self) -> bool:
         r = self.req

@@ -291,6 +291,12 @@ class RooflineCostModel(CostModel):
         the roofline's terms a fitted model borrows for what its profile does not measure."""
         return {"ctx_tokens": self._mem_ctx, "prefill_pairs": self._c_pair, "sampled": self._c_samp}
 
+    def linear_floor(self) -> dict[str, float]:
+        """The roofline of a step's non-attention work, without overhead: x tokens cost at
+        least max(mem_a + mem_tok x, c_tok x) seconds (the weights and activations moved, the
+        linear layers' FLOPs). What a fitted model clamps to past its profiled range."""
+        return {"mem_a": self._mem_a, "mem_tok": self._mem_tok, "c_tok": self._c_tok}
+
     def kv_capacity_tokens(self, mem_fraction: float = 0.9, reserve_bytes: float = 1.0 * GiB,
                            page_size: int = 1) -> int:
         """KV pool in tokens: (device memory x fraction - weights - activations reserve),

@@ -28,8 +28,14 @@ class FittedCostModel(CostModel):
     The table part carries everything that scales with the tokens fed (the
     linear layers, norms, the step's fixed overhead at its first point); the
     linear part carries attention over the KV (ctx_tokens), prefill attention
-    (prefill_pairs) and per-sequence costs. Beyond the grid the table is
-    extrapolated linearly from its last two points."""
+    (prefill_pairs) and per-sequence costs.
+
+    Past the grid's last point (the profiled range) the table is extrapolated from its
+    last two points, never downwards (a noisy last pair could slope down: a step of twice
+    the tokens then cost less), and never below `floor`, the roofline of the same tokens'
+    non-attention work (RooflineCostModel.linear_floor). `beyond_steps` counts the steps
+    priced past the grid, `floored_steps` those the floor decided: the simulator reports
+    both."""
     grid_tokens: list = field(default_factory=lambda: [1])
     grid_s: list = field(default_factory=lambda: [0.0])
     coef: dict = field(default_factory=dict)
@@ -41,31 +47,57 @@ class FittedCostModel(CostModel):
     cpu_per_req: float = 0.0        # ... per request in the batch, s
     overlap: bool = False           # cpu_per_req runs beside the GPU (CostModel.set_overhead)
     frontend: float = 0.0           # added to each request's TTFT (CostModel.frontend)
+    floor: dict = field(default_factory=dict)   # past the grid: RooflineCostModel.linear_floor()
 
     def __post_init__(self):
         order = np.argsort(self.grid_tokens)
         self._gx = np.asarray(self.grid_tokens, dtype=np.float64)[order]
         self._gy = np.asarray(self.grid_s, dtype=np.float64)[order]
         self._c = {f: float(self.coef.get(f, 0.0)) for f in FEATURES}
-
-    def _table(self, x):
+        self._hi = float(self._gx[-1])
         gx, gy = self._gx, self._gy
-        if len(gx) == 1:
-            return np.full_like(np.asarray(x, dtype=np.float64), gy[0]) if np.ndim(x) else float(gy[0])
-        y = np.interp(x, gx, gy)
-        slope = (gy[-1] - gy[-2]) / (gx[-1] - gx[-2])
-        hi = np.asarray(x) > gx[-1]
+        self._slope = max(0.0, float((gy[-1] - gy[-2]) / (gx[-1] - gx[-2]))) if len(gx) > 1 else 0.0
+        self.beyond_steps = 0
+        self.floored_steps = 0
+
+    def _floor(self, x):
+        f = self.floor
+        if not f:
+            return 0.0
+        return np.maximum(f["mem_a"] + f["mem_tok"] * x, f["c_tok"] * x)
+
+    def _beyond(self, x, count: int = 0):
+        """The table past the grid (x > its last point); `count` steps are charged to the
+        counters (0: a lookup, not a step)."""
+        y = self._gy[-1] + self._slope * (x - self._hi)
+        fl = self._floor(x)
+        if count:
+            self.beyond_steps += count
+            if np.any(fl > y):
+                self.floored_steps += count
+        return np.maximum(y, fl)
+
+    def _table(self, x, count: int = 0):
+        gx, gy = self._gx, self._gy
         if np.ndim(x):
-            y = np.where(hi, gy[-1] + slope * (np.asarray(x) - gx[-1]), y)
-        elif hi:
-            y = gy[-1] + slope * (x - gx[-1])
-        return y
+            x = np.asarray(x, dtype=np.float64)
+            y = np.interp(x, gx, gy)
+            hi = x > self._hi
+            return np.where(hi, self._beyond(x), y) if hi.any() else y
+        if x > self._hi:
+            return float(self._beyond(float(x), count))
+        return float(np.interp(x, gx, gy)) if len(gx) > 1 else float(gy[0])
+
+    @property
+    def profiled_tokens(self) -> tuple[int, int]:
+        """The token counts the table was measured over."""
+        return int(self._gx[0]), int(self._hi)
 
     def shape_time(self, s: BatchShape) -> float:
         if s.num_seqs == 0 and s.swap_tokens == 0:
             return 0.0
         c = self._c
-        t = float(self._table(s.num_tokens)) if s.num_tokens else 0.0
+        t = self._table(s.num_tokens, 1) if s.num_tokens else 0.0
         t += (c["ctx_tokens"] * s.ctx_tokens + c["prefill_pairs"] * s.prefill_pairs
               + c["num_seqs"] * s.num_seqs + c["sampled"] * s.sampled)
         if self.overlap:
@@ -88,16 +120,22 @@ class FittedCostModel(CostModel):
         return b
 
     def decode_step_times(self, n: int, ctx0: int, k: int) -> np.ndarray:
+        if n > self._hi:
+            self._table(n, k)
         ctx = ctx0 + n * np.arange(k, dtype=np.float64)
         t = np.maximum(self._decode_base(n) + self._c["ctx_tokens"] * ctx, 0.0)
         return self._overlapped(t, n) if self.overlap else t
 
-    def decode_step_time(self, n: int, ctx: int) -> float:
+    def decode_step_lb(self, n: int, ctx: int) -> float:
+        """decode_step_time without counting a step (the fast path plans with it)."""
         t = self._decode_base(n) + self._c["ctx_tokens"] * float(ctx)
         t = t if t > 0.0 else 0.0
         return self._overlapped(t, n) if self.overlap else t
 
-    decode_step_lb = decode_step_time
+    def decode_step_time(self, n: int, ctx: int) -> float:
+        if n > self._hi:
+            self._table(n, 1)
+        return self.decode_step_lb(n, ctx)
 
     # -- persistence -------------------------------------------------------
     def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None,
@@ -122,7 +160,8 @@ class FittedCostModel(CostModel):
                 "grid_s": list(map(float, self.grid_s)), "coef": {k: float(v) for k, v in self.coef.items()},
                 "kv_bytes_per_token": int(self.kv_bytes_per_token), "pcie_bw": float(self.pcie_bw),
                 "cpu_fixed": float(self.cpu_fixed), "cpu_per_req": float(self.cpu_per_req),
-                "overlap": bool(self.overlap), "frontend": float(self.frontend), "meta": self.meta}
+                "overlap": bool(self.overlap), "frontend": float(self.frontend),
+                "floor": {k: float(v) for k, v in self.floor.items()}, "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -135,7 +174,8 @@ class FittedCostModel(CostModel):
                    kv_bytes_per_token=d.get("kv_bytes_per_token", 0), pcie_bw=d.get("pcie_bw", 25e9),
                    name=d.get("name", "fitted"), meta=d.get("meta", {}),
                    cpu_fixed=d.get("cpu_fixed", 0.0), cpu_per_req=d.get("cpu_per_req", 0.0),
-                   overlap=bool(d.get("overlap", False)), frontend=float(d.get("frontend", 0.0)))
+                   overlap=bool(d.get("overlap", False)), frontend=float(d.get("frontend", 0.0)),
+                   floor=dict(d.get("floor") or {}))
 
     def describe(self) -> dict:
         return self.to_json()
@@ -309,7 +349,7 @@ def from_vidur(model: str = "llama-2-7b", gpu: str = "h100", path: Optional[str 
     return FittedCostModel(grid_tokens=xs, grid_s=ys, coef=coef, kv_bytes_per_token=m.kv_bytes_per_token,
                            pcie_bw=roof.pcie_bw, name=f"vidur:{m.name}/{g.name}" + (f"x{tp}" if tp > 1 else ""),
                            meta={"source": source, "kv_capacity_tokens": roof.kv_capacity_tokens()},
-                           cpu_fixed=roof.overhead[0], cpu_per_req=roof.overhead[1])
+                           cpu_fixed=roof.overhead[0], cpu_per_req=roof.overhead[1], floor=roof.linear_floor())
 
 
 def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
@@ -339,6 +379,7 @@ def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
                             features=("ctx_tokens", "prefill_pairs"),
                             name=f"splitwise:{m.name}/{g.name}x{tp}",
                             meta={"source": str(path), "kv_capacity_tokens": roof.kv_capacity_tokens()})
+    fitted.floor = roof.linear_floor()
     return fitted
 
 

@@ -23,6 +23,8 @@ class ModelSpec:
     vocab_size: int
     tie_word_embeddings: bool = False
     dtype_bytes: int = 2
+    max_context: int = 8192   # positions the model was trained for: longer requests are rejected
+    mlp_mats: int = 3         # weight matrices per MLP: 3 gated (Llama), 2 (OPT's fc1/fc2)
 
     @property
     def embedding_params(self) -> int:
@@ -32,7 +34,7 @@ class ModelSpec:
     def layer_params(self) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
-        mlp = 3 * h * self.intermediate_size
+        mlp = self.mlp_mats * h * self.intermediate_size
         return attn + mlp + 2 * h
 
     @property
@@ -78,11 +80,18 @@ class GPUSpec:
     seq_overhead: float = 0.0       # per-sequence overhead per step, s
 
 
+# max_context: each model's config.json max_position_embeddings (Llama-3.1 extends Llama-3's
+# 8,192 to 131,072 with the same weights' shapes)
 MODELS: dict[str, ModelSpec] = {
-    "llama-3-8b": ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
-    "llama-2-7b": ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000),
-    "llama-2-70b": ModelSpec("Llama-2-70B", 80, 8192, 64, 8, 128, 28672, 32000),
-    "smollm2-135m": ModelSpec("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True),
+    "llama-3-8b": ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, max_context=8192),
+    "llama-3.1-8b": ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256, max_context=131072),
+    "llama-2-7b": ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000, max_context=4096),
+    "llama-2-70b": ModelSpec("Llama-2-70B", 80, 8192, 64, 8, 128, 28672, 32000, max_context=4096),
+    "smollm2-135m": ModelSpec("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True,
+                              max_context=8192),
+    # OPT-13B (DistServe's model): MHA, a 2-matrix GELU MLP, tied embeddings, 2,048 positions
+    "opt-13b": ModelSpec("OPT-13B", 40, 5120, 40, 40, 128, 20480, 50272, tie_word_embeddings=True,
+                         max_context=2048, mlp_mats=2),
 }
 
 GPUS: dict[str, GPUSpec] = {
@@ -102,7 +111,8 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 _ALIASES = {
-    "llama3-8b": "llama-3-8b", "meta-llama-3-8b": "llama-3-8b", "llama-3.1-8b": "llama-3-8b",
+    "llama3-8b": "llama-3-8b", "meta-llama-3-8b": "llama-3-8b", "llama3.1-8b": "llama-3.1-8b",
+    "meta-llama-3.1-8b": "llama-3.1-8b", "opt-13b-hf": "opt-13b",
     "llama2-7b": "llama-2-7b", "llama-2-7b-hf": "llama-2-7b",
     "llama2-70b": "llama-2-70b", "llama-2-70b-hf": "llama-2-70b",
     "smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m",

@@ -45,7 +45,8 @@ def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM v0.6 --num-scheduler-steps: decode windows of N steps, nothing joins inside one, "
                         "the fixed step overhead paid once per window, tokens handed out at its end")
     k.add_argument("--aging-steps", type=int, default=s.aging_steps,
-                   help="a request waiting this many steps is served first under any policy")
+                   help="a request waiting this many steps is served first (lof, random, lpm, dfs-weight, "
+                        "priority; vtc and fcfs do not reorder by age) and is never overtaken when it does not fit")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:

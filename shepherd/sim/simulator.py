@@ -64,6 +64,7 @@ from shepherd.request import Request, SamplingParams
 from shepherd.sim.cache_bounds import HitRateBounds
 from shepherd.sim.cost_model import CostModel, RooflineCostModel
 from shepherd.sim.fitted_cost import make_cost_model
+from shepherd.sim.hardware import get_model
 from shepherd.sim.kv_feed import SimKVFeed
 from shepherd.sim.replica import Replica, ReplicaSpec, Track
 
@@ -98,7 +99,8 @@ class SimConfig:
     kv_capacity: Optional[int] = None     # per replica, tokens; None = from GPU memory minus weights
     mem_fraction: float = 0.9             # of GPU memory for weights + KV (vLLM gpu_memory_utilization)
     host_kv_tokens: int = 0               # swap pool per replica; 0 = as large as the device pool (swap mode)
-    max_model_len: Optional[int] = None   # None = the KV capacity
+    max_model_len: Optional[int] = None   # None = the model's context (ModelSpec.max_context): longer
+                                          # prompts are rejected as the engine rejects them
     max_tokens: Optional[int] = None      # None: max_tokens = the trace's output length (oracle);
                                           # N: max_tokens = max(N, output) and EOS at the trace's length
     vocab_size: Optional[int] = None      # None = the model preset's
@@ -134,6 +136,9 @@ class SimResult:
     replicas: list = field(default_factory=list)     # per replica: requests, tokens, cache, evictions
     routing: dict = field(default_factory=dict)      # routing decisions by reason
     hit_rate_bounds: dict = field(default_factory=dict)
+    rejections: dict = field(default_factory=dict)   # kind -> {"count", "reason"}: refused at add()
+    max_model_len: Optional[int] = None
+    cost_range: dict = field(default_factory=dict)   # a fitted model's steps past its profiled range
 
     @property
     def prefix_hit_rate(self) -> Optional[float]:
@@ -158,7 +163,9 @@ class SimResult:
                       "policy": c.scheduler.policy, "prefix_cache": c.scheduler.prefix_cache,
                       "kv_capacity_per_replica": self.kv_capacity_tokens // max(1, c.replicas),
                       "prefix_hit_tokens": self.prefix_hit_tokens,
-                      "prefix_query_tokens": self.prefix_query_tokens},
+                      "prefix_query_tokens": self.prefix_query_tokens, "max_model_len": self.max_model_len,
+                      **({"cost_model_range": self.cost_range} if self.cost_range else {})},
+              "rejections": self.rejections,
               "hit_rate_bounds": self.hit_rate_bounds,
               "cache": {"cached_peak_tokens": sum(r["cached_peak_tokens"] for r in self.replicas),
                         "evicted_tokens": sum(r["evicted_tokens"] for r in self.replicas)},
@@ -211,13 +218,12 @@ class Simulator:
                 if isinstance(self.cost, RooflineCostModel) else self.cost.kv_capacity_tokens()
         self.kv_capacity = whole_pages(cap, page)
         self.host_kv = host_pool_tokens(cfg.host_kv_tokens, self.kv_capacity, cfg.scheduler.preemption)
-        self.max_model_len = cfg.max_model_len or self.kv_capacity
+        self.max_model_len = cfg.max_model_len or model_context(cfg.model) or self.kv_capacity
         # every replica's scheduler: validated here, once
         self.sched_cfg = dataclasses.replace(cfg.scheduler, max_total_tokens=self.kv_capacity).validate()
         if cfg.vocab_size:
             self.vocab = cfg.vocab_size
         else:
-            from shepherd.sim.cost_model import get_model
             try:
                 self.vocab = get_model(cfg.model).vocab_size
             except KeyError:
@@ -340,6 +346,8 @@ class Simulator:
         self._lazy = self._router is None or cfg.router in LAZY_POLICIES
         self._skip_quiet = cfg.skip_quiet and cfg.router in COUNT_POLICIES
         self.finished = 0
+        self.rejections: dict = {}
+        beyond0 = (getattr(self.cost, "beyond_steps", 0), getattr(self.cost, "floored_steps", 0))
         self.stats = RecordStats(seed=cfg.seed)
         self._on_record = on_record
         self._lists = cfg.keep_records or on_record is not None    # else token times go to the stats alone
@@ -367,7 +375,7 @@ class Simulator:
         for rep in self.replicas:
             for track in list(rep.tracks.values()):    # never finished (e.g. stuck without memory)
                 self._emit(track.close(lists=self._lists))
-        return self._result(records, bounds, time.perf_counter() - wall0)
+        return self._result(records, bounds, time.perf_counter() - wall0, beyond0)
 
     def _arrive(self, tr: TraceRequest, i: int) -> RequestRecord:
         from shepherd.scheduler.scheduler import QueueFull, RequestRejected
@@ -386,12 +394,25 @@ class Simulator:
             rep.add(Track(rec, req, target), now)
         except (QueueFull, RequestRejected) as e:
             rec.ok, rec.finish = False, now
-            rec.error_kind = "queue_full" if isinstance(e, QueueFull) else "rejected"
+            rec.error_kind = e.kind
+            r = self.rejections.setdefault(e.kind, {"count": 0, "reason": str(e)})
+            r["count"] += 1
             self._drop_route(req.req_id, ridx)
             self._emit(rec)
         return rec
 
-    def _result(self, records: list, bounds: Optional[HitRateBounds], wall: float) -> SimResult:
+    def _cost_range(self, beyond0: tuple[int, int]) -> dict:
+        """How many steps a fitted cost model priced past its profiled range in this run, and
+        of those how many at the roofline floor (FittedCostModel); {} for other models."""
+        prof = getattr(self.cost, "profiled_tokens", None)
+        if prof is None:
+            return {}
+        return {"profiled_tokens": list(prof), "steps_beyond": self.cost.beyond_steps - beyond0[0],
+                "steps_at_roofline_floor": self.cost.floored_steps - beyond0[1],
+                "floor": "roofline" if getattr(self.cost, "floor", None) else "none"}
+
+    def _result(self, records: list, bounds: Optional[HitRateBounds], wall: float,
+                beyond0: tuple[int, int] = (0, 0)) -> SimResult:
         cfg = self.cfg
         ts, peak = self._timeseries()
         stats = [rep.sched.stats() for rep in self.replicas]
@@ -406,7 +427,9 @@ class Simulator:
             steps=sum(r.steps for r in self.replicas), fast_steps=sum(r.fast_steps for r in self.replicas),
             wall_s=wall, config=cfg, cost_model=self.cost.name,
             batches=batches, replica_stats=stats, replicas=[r.counters() for r in self.replicas],
-            routing=routing, hit_rate_bounds=bounds.result() if bounds is not None else {})
+            routing=routing, hit_rate_bounds=bounds.result() if bounds is not None else {},
+            rejections=dict(sorted(self.rejections.items())), cost_range=self._cost_range(beyond0),
+            max_model_len=self.max_model_len)
 
     def _drop_route(self, req_id: str, ridx: int) -> None:
         if self._router is None:
@@ -441,6 +464,14 @@ class Simulator:
         return ({"t": alls.tolist(), "kv_used": cols[0].tolist(), "kv_cached": cols[1].tolist(),
                  "kv_capacity": [cap] * alls.size, "running": cols[2].tolist(), "waiting": cols[3].tolist()},
                 peak)
+
+
+def model_context(name: str) -> Optional[int]:
+    """The model preset's context length (None for a model without a preset)."""
+    try:
+        return get_model(name).max_context
+    except KeyError:
+        return None
 
 
 def simulate(trace: Iterable[TraceRequest], cfg: Optional[SimConfig] = None,
