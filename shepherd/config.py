@@ -12,10 +12,77 @@ ADMISSION_MODES = ("guaranteed", "peak", "optimistic")
 PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "lof", "random", "lpm", "dfs-weight", "priority", "vtc")
 VICTIMS = ("last", "fewest-output", "lowest-priority")
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 class ConfigError(ValueError):
     """A knob has a value that cannot work; the message says which and why."""
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's --speculative-config (the same keys, as JSON): after each step
+    the executor drafts a running request's next tokens, and the next step feeds its last token
+    plus up to num_speculative_tokens drafts, verifying them in one forward (docs/SPECULATIVE.md).
+    The scheduler counts the drafts against max_num_tokens and the KV budget."""
+    method: str = "ngram"                 # ngram (prompt lookup: no weights) | draft_model
+    num_speculative_tokens: int = 3       # drafts verified per request and step, at most
+    prompt_lookup_max: int = 3            # ngram: the longest suffix looked up in the request's own tokens
+    prompt_lookup_min: int = 1            # ngram: the shortest
+    model: Optional[str] = None           # draft_model: a smaller Llama (GGUF or HF folder); None: the target
+    quantization: Optional[str] = None    # draft_model: its weights (the target's own at int4: self-speculation)
+    # no drafts in a step with more requests decoding than this (0: never off): above it a verify
+    # row costs more than the tokens it wins (measured: docs/SPECULATIVE.md)
+    disable_by_batch_size: int = 8
+    # the simulated executor only: each draft's chance to be accepted (given the ones before it)
+    acceptance_rate: float = 0.6
+
+    KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+            "quantization", "disable_by_batch_size", "acceptance_rate")
+
+    @classmethod
+    def from_json(cls, text: Optional[str]) -> Optional["SpeculativeConfig"]:
+        """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'; None or "" = off."""
+        if not text:
+            return None
+        import json
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError("--speculative-config must be a JSON object, e.g. "
+                              '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
+        unknown = sorted(set(d) - set(cls.KEYS))
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown keys {unknown}; known: {', '.join(cls.KEYS)}")
+        return cls(**d).validate()
+
+    def validate(self) -> "SpeculativeConfig":
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"speculative {name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 0:
+            raise ConfigError(f"speculative disable_by_batch_size must be an integer >= 0, "
+                              f"got {self.disable_by_batch_size!r}")
+        if not (0.0 <= float(self.acceptance_rate) <= 1.0):
+            raise ConfigError(f"speculative acceptance_rate must be in [0, 1], got {self.acceptance_rate!r}")
+        if self.method == "ngram" and (self.model or self.quantization):
+            raise ConfigError("speculative method ngram takes no model or quantization (those are draft_model's)")
+        if self.method == "draft_model" and not self.model and self.quantization in (None, "none"):
+            raise ConfigError("speculative method draft_model needs a model, or a quantization for the target's "
+                              "own weights (self-speculation, e.g. \"quantization\": \"int4\")")
+        return self
+
+    def drafts_allowed(self, decoding: int) -> bool:
+        """Whether a step with `decoding` requests decoding verifies drafts at all."""
+        return not self.disable_by_batch_size or decoding <= self.disable_by_batch_size
 
 
 @dataclass
@@ -61,6 +128,9 @@ class SchedulerConfig:
     seed: int = 0                        # for --policy random
     # test switch: force a preemption of one running request every k steps (0 = off)
     debug_preempt_every: int = 0
+    # speculative decoding (None: off); admission=peak never speculates (as it never mixes: its
+    # estimate needs every request to grow one token a step)
+    speculative: Optional[SpeculativeConfig] = None
 
     def validate(self) -> "SchedulerConfig":
         if self.admission not in ADMISSION_MODES:
@@ -80,6 +150,8 @@ class SchedulerConfig:
                               "(LightLLM decode-first, vLLM v0.6 multi-step); set one of them")
         if self.max_total_tokens % self.page_size:
             raise ConfigError("max_total_tokens must be a multiple of page_size")
+        if self.speculative is not None:
+            self.speculative.validate()
         return self
 
 

@@ -15,10 +15,12 @@ these messages and never reads the scheduler's:
     its slot table is rebuilt when it runs again);
   - swaps move KV between the device pool and the host pool.
 
-Room to grow without another contract: a ScheduledSeq may feed several tokens
-to a running request (speculative decoding verifies k drafts plus the last
-token), a StepResult carries a list of accepted tokens per request, and a
-NewRequest is where per-request executor state such as an adapter id goes.
+Speculative decoding rides on the same messages: a StepResult may carry
+drafts (proposed next tokens) per request; the scheduler feeds some of them
+in a later step after the request's last token (`num_draft`), the executor
+verifies them in that step's one forward and returns the tokens it accepted
+(1 to num_draft + 1), and the scheduler frees the slots of the rejected ones.
+A NewRequest is where per-request executor state such as an adapter id goes.
 
 It sits at the bottom of the layers (beside request.py) so that scheduler/,
 engine/ and sim/ all import it from below.
@@ -47,13 +49,21 @@ class ScheduledSeq:
     from index `slots_from` on becomes `new_slots` (slots_from is the length the executor
     holds when the table only grew, 0 when it was rebuilt); then `token_ids` are fed at
     positions start_pos .., their K/V written to those positions' slots, each attending over
-    every position up to its own; `sample`: a token is sampled after the last one."""
+    every position up to its own; `sample`: a token is sampled after the last one.
+
+    Speculation: the last `num_draft` token_ids are drafts. The executor samples after the
+    request's last known token and after each draft, and returns the sampled tokens up to and
+    including the first that is not the next draft (1..num_draft+1 tokens; every sample keeps
+    the request's distribution: rejection sampling). `propose` > 0: draft up to that many next
+    tokens after this step's, returned in StepResult.drafts."""
     req_id: str
     token_ids: list[int]
     start_pos: int
     sample: bool
     slots_from: int = 0
     new_slots: list[int] = field(default_factory=list)
+    num_draft: int = 0
+    propose: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -66,8 +76,8 @@ class ScheduledSeq:
 
     @property
     def is_prefill(self) -> bool:
-        """Not a plain decode (feeding exactly the last sampled token, to sample the next)."""
-        return not (self.sample and len(self.token_ids) == 1)
+        """Not a decode (feeding exactly the last sampled token, and its drafts, to sample the next)."""
+        return not (self.sample and len(self.token_ids) == 1 + self.num_draft)
 
 
 @dataclass(slots=True)
@@ -104,6 +114,7 @@ class StepResult:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)   # one per token, if the request asked
     step_time: float = 0.0                                        # seconds: measured (torch) or modelled (sim)
     errors: dict[str, str] = field(default_factory=dict)          # req_id -> why no token was sampled
+    drafts: dict[str, list[int]] = field(default_factory=dict)    # req_id -> proposed next tokens (seq.propose)
 
 
 class Executor(Protocol):

@@ -70,6 +70,8 @@ def make_executor(cfg: EngineConfig, tokenizer: Any = None) -> Executor:
                            eos_token_id=eos, vocab_size=tokenizer.vocab_size,
                            eos_token_ids=tuple(tokenizer.eos_token_ids), tokenizer=tokenizer,
                            model_name=model_name_from_path(cfg.model),
+                           acceptance_rate=cfg.scheduler.speculative.acceptance_rate
+                           if cfg.scheduler.speculative else 0.0,
                            paced=True)  # the engine waits out the modelled step time on the wall clock
     if cfg.executor == "torch":
         from shepherd.engine.torch_executor import TorchExecutor

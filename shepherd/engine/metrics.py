@@ -40,6 +40,11 @@ FROM_STATS = (
     ("gauge", "shepherd:kv_used_tokens", "KV slots held by requests.", "kv_used"),
     ("gauge", "shepherd:kv_capacity_tokens", "KV capacity in tokens.", "kv_capacity"),
     ("counter", "shepherd:preempted_tokens", "KV tokens thrown away or moved by preemption.", "preempted_tokens"),
+    ("counter", "vllm:spec_decode_num_drafts", "Speculative decoding: verifies run (a request's drafts in a step).",
+     "spec_drafts"),
+    ("counter", "vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.", "spec_draft_tokens"),
+    ("counter", "vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+     "spec_accepted_tokens"),
 )
 
 

@@ -19,6 +19,15 @@ model, and a preempted or chunked request regenerates the same tokens).
 Like any executor it keeps its own record of each request (SimSeq), built
 from the step contract's NewRequest and the tokens each step feeds.
 
+Speculation: a seq with drafts (num_draft) is verified as a greedy model
+would, against the tokens above: the tokens up to and including the first that
+differs from its draft come back. Asked to propose (seq.propose), the executor
+drafts the true next tokens for as long as a deterministic draw per position
+says they are accepted (each with `acceptance_rate`, given the ones before it;
+the draw is a hash of the request id and the position, so a run repeats), then
+one wrong token: the acceptance rate of a real drafter, without a model. The
+step time counts the draft rows as tokens (the cost model's verify cost).
+
 Step time: `step_time(batch) -> seconds`, pluggable (the simulator passes
 sim/cost_model.py's); the default is affine:
     base + per_token * tokens computed + per_ctx * sum of context lengths
@@ -32,6 +41,7 @@ swap-in restores exactly what swap-out saved, and that slots are in range.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Optional
 
 from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult
@@ -73,7 +83,7 @@ class SimExecutor:
                  step_time: Optional[Callable[[ScheduledBatch], float]] = None,
                  swap_time_per_token: float = 1e-6, vocab_size: int = 49152, check: bool = False,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, model_name: Optional[str] = None,
-                 paced: bool = False):
+                 paced: bool = False, acceptance_rate: float = 0.0):
         self.kv_capacity = kv_capacity
         self.host_kv_capacity = host_kv_capacity
         self.max_model_len = max_model_len
@@ -87,6 +97,7 @@ class SimExecutor:
         self.swap_time_per_token = swap_time_per_token
         self.vocab_size = vocab_size
         self.check = check
+        self.acceptance_rate = acceptance_rate
         self.seqs: dict[str, SimSeq] = {}
         # counters
         self.steps = 0
@@ -145,6 +156,7 @@ class SimExecutor:
                 for s, v in zip(op.slots, saved):
                     self._kv[s] = v
         tokens: dict[str, list[int]] = {}
+        drafts: dict[str, list[int]] = {}
         if self.check:
             self._referee(batch)
         for s in batch.seqs:
@@ -157,13 +169,49 @@ class SimExecutor:
                 self.decode_tokens += n
             if s.sample:
                 st = seqs[s.req_id]
-                tok = self.next_token(st, s.start_pos + n - st.prompt_len, s.token_ids[-1])
-                tokens[s.req_id] = [tok]
+                n_out = s.start_pos + n - s.num_draft - st.prompt_len   # output tokens before this sample
+                if s.num_draft:
+                    toks = self.verify(st, n_out, s.token_ids)
+                else:
+                    toks = [self.next_token(st, n_out, s.token_ids[-1])]
+                tokens[s.req_id] = toks
+                if s.propose:
+                    drafts[s.req_id] = self.draft(st, n_out + len(toks), toks[-1], s.propose)
                 if self.check:
-                    st.ids.append(tok)
+                    st.ids.extend(toks)
         t = self.step_time(batch) + moved * self.swap_time_per_token
         self.busy_time += t
-        return StepResult(tokens=tokens, step_time=t)
+        return StepResult(tokens=tokens, step_time=t, drafts=drafts)
+
+    def verify(self, st: SimSeq, n_out: int, fed: list[int]) -> list[int]:
+        """Greedy verification of fed = [last token, drafts...]: the tokens sampled after each,
+        up to and including the first that is not the next draft."""
+        out: list[int] = []
+        prev = fed[0]
+        for j in range(len(fed)):
+            t = self.next_token(st, n_out + j, prev)
+            out.append(t)
+            if j + 1 >= len(fed) or t != fed[j + 1]:
+                break
+            prev = t
+        return out
+
+    def draft(self, st: SimSeq, n_out: int, prev: int, k: int) -> list[int]:
+        """Up to k drafts after output token n_out - 1 (= prev): the true tokens while each
+        position's draw accepts, then one wrong token."""
+        out: list[int] = []
+        seed = zlib.crc32(st.req_id.encode())
+        for j in range(k):
+            t = self.next_token(st, n_out + j, prev)
+            u = (zlib.crc32((n_out + j).to_bytes(8, "little"), seed) & 0xFFFFFF) / float(1 << 24)
+            if u >= self.acceptance_rate:
+                out.append(3 + (t - 3 + 1) % (self.vocab_size - 3))    # not the model's token
+                break
+            out.append(t)
+            if t == self.eos_token_id:
+                break
+            prev = t
+        return out
 
     def _referee(self, batch: ScheduledBatch) -> None:
         written: dict[int, str] = {}
@@ -181,9 +229,11 @@ class SimExecutor:
     def _check_seq(self, s: ScheduledSeq, st: SimSeq, written: dict[int, str]) -> None:
         ids, slots = st.ids, st.slots
         end = s.start_pos + len(s.token_ids)
+        known = end - s.num_draft               # drafts are guesses past the known tokens
         assert end <= len(slots), f"{s.req_id}: positions up to {end} but {len(slots)} slots"
-        assert s.token_ids == ids[s.start_pos:end], f"{s.req_id}: wrong token ids"
-        assert s.sample == (end == len(ids)), f"{s.req_id}: sample flag"
+        assert s.token_ids[:len(s.token_ids) - s.num_draft] == ids[s.start_pos:known], f"{s.req_id}: wrong token ids"
+        assert s.sample == (known == len(ids)), f"{s.req_id}: sample flag"
+        assert not s.num_draft or s.sample, f"{s.req_id}: drafts without a sample"
         for i in range(s.start_pos):
             got = self._kv.get(slots[i])
             assert got == (ids[i], i), (

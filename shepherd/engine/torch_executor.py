@@ -5,7 +5,10 @@ addressed by slot), a bounded host pool for swapped-out requests, the model
 and the sampler, and its own record of every request it runs (its slot table
 and the sampler's state), kept from the step contract's changes.
 `execute(batch)` forgets finished requests, takes new ones, applies swaps,
-runs ONE forward over the ragged batch and samples.
+runs ONE forward over the ragged batch and samples. With speculative decoding
+the same forward verifies each request's drafts (the logits of every fed row
+of a seq with num_draft), and after sampling the drafter proposes the next
+ones (engine/spec_ngram.py, engine/spec_model.py).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from shepherd.model.loader import LoadedModel, load_model, model_name_for
 from shepherd.model.grammar import GrammarMasks
 from shepherd.model.sampler import Sampler, SamplingState
 from shepherd.scheduler.kv_pool import pages_for
+from shepherd.engine.drafter import make_drafter
 from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult
 
 log = logging.getLogger("shepherd")
@@ -188,6 +192,7 @@ class TorchExecutor:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.sampler = Sampler()
         self.sampler.grammar = GrammarMasks(self.tokenizer)
+        self.drafter = make_drafter(cfg.scheduler.speculative, cfg, self)
         self.reqs: dict[str, _ReqState] = {}
         self._arange = torch.arange(max(self.max_model_len, 1) + kv_block, dtype=torch.long)
         self._zeros = torch.zeros(16, dtype=torch.long)
@@ -280,6 +285,8 @@ class TorchExecutor:
     def _forget(self, req_id: str) -> None:
         self.reqs.pop(req_id, None)
         self.sampler.forget(req_id)
+        if self.drafter is not None:
+            self.drafter.forget(req_id)
         if req_id in self.host:
             self._drop_host(req_id)
 
@@ -324,7 +331,10 @@ class TorchExecutor:
             tab += ctx
             max_ctx = max(max_ctx, ctx)
             if s.sample:
-                logits_rows.append(row + n - 1)
+                if s.num_draft:     # a verify: the logits after the last token and after each draft
+                    logits_rows.extend(range(row + n - 1 - s.num_draft, row + n))
+                else:
+                    logits_rows.append(row + n - 1)
                 sampled.append(st)
             row += n
         pad = self.model.min_rows - row if (self.model.batch_invariant and row < self.model.min_rows) else 0
@@ -374,7 +384,7 @@ class TorchExecutor:
             else:
                 prefills.append((row, n, s.start_pos, sl))
             if s.sample:
-                logits_rows.append(row + n - 1)
+                logits_rows.extend(range(row + n - 1 - s.num_draft, row + n))
                 sampled.append(st)
             row += n
         T = row
@@ -436,7 +446,8 @@ class TorchExecutor:
         return groups
 
     def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[_ReqState]]:
-        """Run the forward; returns logits [S, V] (float32) for the seqs that sample."""
+        """Run the forward; returns logits (float32) for the seqs that sample: one row each, and
+        one more per draft of a seq that verifies drafts."""
         inp, sampled = self.build_input(seqs)
         if self.device.type != "cpu":
             inp = _to_device(inp, self.device)
@@ -447,15 +458,58 @@ class TorchExecutor:
         logits, sampled = self.forward_logits(seqs)
         if not sampled:
             return
-        states = [st.seq for st in sampled]
-        tokens, lps = self.sampler.sample(logits, states)
+        runs = [s for s in seqs if s.sample and s.token_ids]      # in the order of `sampled`
+        if any(s.num_draft for s in runs):
+            self._sample_verify(logits, runs, sampled, res)
+        else:
+            states = [st.seq for st in sampled]
+            tokens, lps = self.sampler.sample(logits, states)
+            for seq, t, lp in zip(states, tokens, lps):
+                res.tokens[seq.req_id] = [t]
+                if lp is not None:
+                    res.logprobs[seq.req_id] = [lp]
         grammar = self.sampler.grammar
         if grammar is not None and grammar.failed:
-            res.errors.update(grammar.failed)     # the scheduler ends these with the error
+            for rid, err in grammar.failed.items():   # the scheduler ends these with the error
+                res.errors[rid] = err
+                res.tokens.pop(rid, None)
+                res.logprobs.pop(rid, None)
             grammar.failed.clear()
-        for seq, t, lp in zip(states, tokens, lps):
-            if seq.req_id in res.errors:
-                continue
-            res.tokens[seq.req_id] = [t]
-            if lp is not None:
-                res.logprobs[seq.req_id] = [lp]
+        if self.drafter is not None:
+            want = [(s, st.seq) for s, st in zip(runs, sampled) if s.propose and s.req_id in res.tokens
+                    and st.seq.params.grammar is None]    # a grammar's mask per draft is not built: no drafts
+            if want:
+                res.drafts = self.drafter.propose([(s.req_id, seq, res.tokens[s.req_id][-1], s.propose)
+                                                   for s, seq in want])
+
+    def _sample_verify(self, logits: torch.Tensor, runs: list[ScheduledSeq], sampled: list[_ReqState],
+                       res: StepResult) -> None:
+        """A step with drafts: plain rows through Sampler.sample, each verify's rows through
+        Sampler.verify (the tokens it keeps)."""
+        plain_rows: list[int] = []
+        plain: list = []
+        ver: list = []
+        ver_drafts: list[list[int]] = []
+        ver_rows: list[int] = []
+        r = 0
+        for s, st in zip(runs, sampled):
+            if s.num_draft:
+                ver.append(st.seq)
+                ver_drafts.append(s.token_ids[len(s.token_ids) - s.num_draft:])
+                ver_rows.append(r)
+            else:
+                plain_rows.append(r)
+                plain.append(st.seq)
+            r += 1 + s.num_draft
+        if plain:
+            idx = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
+            tokens, lps = self.sampler.sample(logits.index_select(0, idx), plain)
+            for seq, t, lp in zip(plain, tokens, lps):
+                res.tokens[seq.req_id] = [t]
+                if lp is not None:
+                    res.logprobs[seq.req_id] = [lp]
+        toks, lps = self.sampler.verify(logits, ver, ver_drafts, ver_rows)
+        for seq, t, lp in zip(ver, toks, lps):
+            res.tokens[seq.req_id] = t
+            if lp:
+                res.logprobs[seq.req_id] = lp

@@ -12,6 +12,11 @@ batch; unseeded requests share one global generator.
 The sampler keeps its own record of each request (SamplingState: parameters,
 prompt, the tokens so far), built from the step contract's NewRequest and
 the tokens each step feeds; it never reads the scheduler's Request.
+
+`verify` takes a request's logits after its last token and after each of its
+drafts (speculative decoding) and keeps the drafts its distribution allows
+(model/rejection.py); each row sees the penalties and min_tokens of the tokens
+before it, as decoding one token at a time would.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 
 from shepherd.model.constraints import apply_constraints, constrained
 from shepherd.model.kernels import argmax_rows
+from shepherd.model.rejection import greedy_accept, rejection_accept
 from shepherd.request import SamplingParams, TokenLogprob, stop_ids
 from shepherd.step import NewRequest
 
@@ -172,3 +178,83 @@ class Sampler:
                     top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
                 lps[i] = TokenLogprob(token_id=t, logprob=float(lp[j, t]), top=top)
         return tokens, lps
+
+    def verify(self, logits: torch.Tensor, reqs: Sequence[SamplingState], drafts: Sequence[list[int]],
+               rows: Sequence[int]) -> tuple[list[list[int]], list[list[TokenLogprob]]]:
+        """Speculative decoding: request i's logits after its last token and after each of its
+        drafts are rows rows[i] .. rows[i] + len(drafts[i]) of logits [R, V] float32 (the fed
+        tokens, drafts included, already in its output_ids). Returns per request the tokens
+        kept (the accepted drafts and the token after them) and, if it asked, their logprobs;
+        its output_ids drop the rejected drafts. Requests with a grammar are never given drafts."""
+        out_toks: list[list[int]] = []
+        out_lps: list[list[TokenLogprob]] = []
+        plain = [r.params.temperature == 0.0 and not _penalised(r.params) and not _biased(r, len(d))
+                 for r, d in zip(reqs, drafts)]
+        targets = argmax_rows(logits).tolist() if any(plain) else None
+        for r, d, r0, easy in zip(reqs, drafts, rows, plain):
+            k = len(d)
+            p = r.params
+            base = len(r.output_ids) - k        # output tokens before row 0's sample
+            block = logits[r0: r0 + k + 1]
+            if easy:
+                toks = greedy_accept(targets[r0: r0 + k + 1], d)
+            else:
+                block = block.cpu().clone()
+                probs = []
+                for j in range(k + 1):
+                    row = _bias_row(block[j], r, base + j)
+                    block[j] = row
+                    if _penalised(p):
+                        row = apply_penalties(row, r.prompt_ids, r.output_ids[: base + j], p)
+                    if p.temperature == 0.0:
+                        probs.append(row)
+                    else:
+                        row = filter_logits(row / max(p.temperature, 1e-5), p.top_k, p.top_p, p.min_p)
+                        probs.append(row.softmax(-1))
+                probs = torch.stack(probs)
+                if p.temperature == 0.0:
+                    toks = greedy_accept(argmax_rows(probs).tolist(), d)
+                else:
+                    toks = rejection_accept(probs, d, self.generator_for(r))
+            del r.output_ids[base + len(toks) - 1:]
+            lps: list[TokenLogprob] = []
+            if p.logprobs is not None:
+                lp = torch.log_softmax(block[: len(toks)].float(), -1)
+                n = int(p.logprobs or 0)
+                for j, t in enumerate(toks):
+                    top = []
+                    if n > 0:
+                        v, i = torch.topk(lp[j], n)
+                        top = list(zip(i.tolist(), v.tolist()))
+                    lps.append(TokenLogprob(token_id=t, logprob=float(lp[j, t]), top=top))
+            out_toks.append(toks)
+            out_lps.append(lps)
+        return out_toks, out_lps
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _biased(r: SamplingState, k: int) -> bool:
+    """Whether any of a verify's k + 1 rows has a logit_bias or a min_tokens mask."""
+    p = r.params
+    return bool(p.logit_bias) or bool(p.min_tokens and r.stop_ids and len(r.output_ids) - k < p.min_tokens)
+
+
+def _bias_row(row: torch.Tensor, r: SamplingState, n_out: int) -> torch.Tensor:
+    """logit_bias, and min_tokens' mask of the stop tokens while fewer than min_tokens are out,
+    for a row sampled after n_out output tokens (apply_constraints' rules, one row)."""
+    p = r.params
+    V = row.shape[-1]
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if 0 <= t < V]
+        if ids:
+            row = row.clone()
+            row[ids] += torch.tensor([float(p.logit_bias[t]) for t in ids], dtype=row.dtype)
+    if p.min_tokens and n_out < p.min_tokens:
+        ids = [t for t in r.stop_ids if 0 <= t < V]
+        if ids:
+            row = row.clone()
+            row[ids] = float("-inf")
+    return row

@@ -302,6 +302,43 @@ class KVManager:
             if len(r.slots) < target:
                 pool.extend(r.slots, target - len(r.slots), per[i])
 
+    # ------------------------------------------------------------------ speculation
+    def grow_ahead(self, e: Entry, k: int) -> int:
+        """Slots for up to k positions past the one e decodes next (its drafts), from free pages
+        and what the prefix cache can give back, never another request's: how many it got."""
+        r = e.req
+        sl = r.slots
+        have = len(sl) - r.num_computed - 1
+        if have >= k:
+            return k
+        p = self.page_size
+        n = k - have
+        pages = self.pool.pages_needed(len(sl), n)
+        avail = self.available_pages()
+        if pages > avail:
+            n = min(n, (-len(sl)) % p + avail * p)
+            pages = self.pool.pages_needed(len(sl), n)
+        if n <= 0:
+            return max(0, have)
+        got = self.alloc(pages)
+        assert got is not None
+        self.pool.extend(sl, n, got)
+        return have + n
+
+    def trim(self, e: Entry, keep: int) -> None:
+        """Free e's slots past position keep - 1 (rejected drafts): whole pages go back to the
+        free list; the executor is sent the table from `keep` on with the next step."""
+        sl = e.req.slots
+        if len(sl) <= keep:
+            return
+        p = self.page_size
+        first = pages_for(keep, p) * p          # the first position of a page no longer needed
+        if first < len(sl):
+            self.pool.free(self.pool.pages_of(sl, first))
+        del sl[keep:]
+        if e.synced > keep:
+            e.synced = keep
+
     # ------------------------------------------------------------------ integrity
     def check(self, running: Iterable[Entry], waiting: Iterable[Entry], swapped: Iterable[Entry]) -> None:
         """Raise AssertionError if any page is lost or owned twice; when nothing

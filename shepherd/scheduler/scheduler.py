@@ -22,7 +22,9 @@ whether a candidate fits, whether steps mix and whether a decode may preempt;
 the policy (policy.py) orders the queue and ranks requests; Preemption
 (preemption.py) picks and makes victims; the step shape (step_shape.py) says
 when prefills may join; fast_path.py proves how many steps can only be
-decodes. This class decides who runs each step and keeps the step counter.
+decodes; Speculation (speculation.py) says which drafts a decode feeds and
+frees the rejected ones' KV. This class decides who runs each step and keeps
+the step counter.
 
 Step shape: with mixed steps (the default, vLLM) every running decode gets
 its token first, then prefill chunks and admissions fill the rest of
@@ -46,6 +48,7 @@ from shepherd.scheduler.kv_pool import pages_for
 from shepherd.scheduler.policy import make_policy
 from shepherd.scheduler.preemption import Preemption
 from shepherd.scheduler.queues import Queues
+from shepherd.scheduler.speculation import Speculation
 from shepherd.scheduler.state import Entry, QueueFull, RequestRejected, SchedulerSnapshot, SchedulerStats
 from shepherd.scheduler.step_shape import make_step_shape
 from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult
@@ -73,6 +76,8 @@ class Scheduler:
         self.preemption = Preemption(config, self.queues, self.kv, self.policy, self.admission, self.ratio,
                                      self._stats)
         self._horizon = DecodeHorizon(config, self.queues, self.kv, self.policy, self.admission, self.shape)
+        self.spec = (Speculation(config.speculative, self.kv, self._stats, self.mode.lockstep)
+                     if config.speculative is not None else None)
         self._rng = _random.Random(config.seed)
         self._step = 0
         self._finished: list[str] = []      # ended since the last batch that ran: batch.finished
@@ -260,7 +265,9 @@ class Scheduler:
             batch.new.append(NewRequest(req.req_id, req.prompt_ids, req.params, req.eos_token_ids))
             e.announced = True
         slots = req.slots
-        batch.seqs.append(ScheduledSeq(req.req_id, ids, nc, nc + chunk == total, e.synced, slots[e.synced:]))
+        last = nc + chunk == total
+        ask = self.spec.ask(e, len(self.queues.running)) if last and self.spec is not None else 0
+        batch.seqs.append(ScheduledSeq(req.req_id, ids, nc, last, e.synced, slots[e.synced:], 0, ask))
         e.synced = len(slots)
         s = self._stats
         s.last_prefill_seqs += 1
@@ -291,7 +298,7 @@ class Scheduler:
             # anything is admitted, so an admission can never be undone in the same step
             preempted = self._stats.preemptions
             self._build_decode(batch, now)
-            used = len(batch.seqs)
+            used = len(batch.seqs) + self._stats.last_draft_tokens
             if self._stats.preemptions != preempted:
                 prefill_ok = False    # memory is short: re-admitting a victim now would only thrash
         if prefill_ok:
@@ -341,17 +348,39 @@ class Scheduler:
             return
         self.kv.grow(dec, 1)   # one allocation: the same pages, in the same order, as one per request
         seqs = batch.seqs
-        for e in dec:
+        if self.spec is not None:
+            self._build_verify(dec, seqs)
+        else:
+            for e in dec:
+                r = e.req
+                nc = r.num_computed
+                np_ = len(r.prompt_ids)
+                tok = r.prompt_ids[nc] if nc < np_ else r.output_ids[nc - np_]
+                slots = r.slots
+                seqs.append(ScheduledSeq(r.req_id, [tok], nc, True, e.synced, slots[e.synced:]))
+                e.synced = len(slots)
+        self._stats.last_decode_seqs = len(dec)
+        if dec:
+            self.ratio.decay()
+
+    def _build_verify(self, dec: list[Entry], seqs: list[ScheduledSeq]) -> None:
+        """The decode rows with speculation on: each decoder's last token and the drafts it
+        feeds (speculation.py), and how many to draft after this step."""
+        spec = self.spec
+        drafts = spec.plan(dec, self.cfg.max_num_tokens)
+        n = len(dec)
+        fed = 0
+        for e, d in zip(dec, drafts):
             r = e.req
             nc = r.num_computed
             np_ = len(r.prompt_ids)
             tok = r.prompt_ids[nc] if nc < np_ else r.output_ids[nc - np_]
             slots = r.slots
-            seqs.append(ScheduledSeq(r.req_id, [tok], nc, True, e.synced, slots[e.synced:]))
+            seqs.append(ScheduledSeq(r.req_id, [tok, *d], nc, True, e.synced, slots[e.synced:], len(d),
+                                     spec.ask(e, n)))
             e.synced = len(slots)
-        self._stats.last_decode_seqs = len(dec)
-        if dec:
-            self.ratio.decay()
+            fed += len(d)
+        self._stats.last_draft_tokens = fed
 
     def _finish_batch(self, batch: ScheduledBatch) -> ScheduledBatch:
         if not batch.empty:     # an empty batch is not run: the ids wait for one that is
@@ -374,14 +403,18 @@ class Scheduler:
         tokens = result.tokens
         entries = self.queues.entries
         RUNNING = RequestState.RUNNING
+        drafts = result.drafts
         for seq in batch.seqs:
             e = entries.get(seq.req_id)
             if e is None or e.req.state is not RUNNING:
                 continue   # aborted, finished or preempted meanwhile
             req = e.req
-            req.num_computed = seq.start_pos + len(seq.token_ids)
+            # a verify's drafts are not known tokens until accepted (below)
+            req.num_computed = seq.start_pos + len(seq.token_ids) - seq.num_draft
             if not seq.sample:
                 continue
+            if seq.propose:
+                e.drafts = drafts.get(seq.req_id) or []
             toks = tokens.get(seq.req_id)
             if not toks:
                 outs.append(self._end(e, FinishReason.ERROR, now,
@@ -389,6 +422,10 @@ class Scheduler:
                 continue
             if self.kv.tree is not None and len(req.output_ids) == e.out_at_admit:
                 self.kv.cache_prefilled(e)
+            if seq.num_draft:    # the drafts kept before the first token that differs: their KV stays
+                kept = min(len(toks), seq.num_draft + 1) - 1
+                req.num_computed += kept
+                self.spec.settle(e, seq, kept)
             lps = result.logprobs.get(seq.req_id, []) if result.logprobs else []
             outs.append(self._accept(e, toks, lps, now))
         return outs
@@ -431,7 +468,8 @@ class Scheduler:
 
     def decode_horizon(self, now: float, finishing: bool = False) -> int:
         """How many next steps can only be the same decode-only batch (fast_path.py)."""
-        h = 0 if self._deferred_outputs else self._horizon(self._step, finishing)
+        # with speculation a step's tokens per request depend on the drafts: no horizon
+        h = 0 if self._deferred_outputs or self.spec is not None else self._horizon(self._step, finishing)
         if finishing:
             self._horizon_memo = (self._horizon_key(), h)   # fast_forward checks against it
         return h
@@ -448,7 +486,7 @@ class Scheduler:
             return []
         memo = self._horizon_memo
         h = memo[1] if memo is not None and memo[0] == self._horizon_key() else \
-            (0 if self._deferred_outputs else self._horizon(self._step, True))
+            (0 if self._deferred_outputs or self.spec is not None else self._horizon(self._step, True))
         if k > h:
             raise ValueError(f"fast_forward({k}) beyond decode_horizon()={h}")
         running = self.queues.running

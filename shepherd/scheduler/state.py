@@ -62,12 +62,18 @@ class SchedulerStats:
     last_swap_out: int = 0
     last_swap_in: int = 0
     last_preemptions: int = 0         # preemptions made by the last schedule()
+    # speculative decoding (vLLM's spec_decode counters): verify runs, drafts fed, drafts accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    last_draft_tokens: int = 0        # drafts fed in the last step
 
     def begin_step(self) -> None:
         """Zero the per-step figures (the last_* fields)."""
         self.last_prefill_seqs = self.last_prefill_tokens = self.last_cached_tokens = 0
         self.last_decode_seqs = 0
         self.last_swap_in = self.last_swap_out = self.last_preemptions = 0
+        self.last_draft_tokens = 0
 
 
 class SchedulerSnapshot(NamedTuple):
@@ -85,7 +91,7 @@ class Entry:
     """Scheduler-private bookkeeping for one request."""
     __slots__ = ("req", "seq", "enq_step", "admit_seq", "node", "cached_len", "limit", "final",
                  "rand_key", "synced", "announced", "host_tokens", "admitted_once", "stop_ids", "out_at_admit",
-                 "prefix_memo")
+                 "prefix_memo", "drafts")
 
     def __init__(self, req: Request, seq: int, step: int, limit: int, rand_key: float):
         self.req = req
@@ -104,6 +110,7 @@ class Entry:
         self.out_at_admit = 0
         self.stop_ids = req.stop_id_set()
         self.prefix_memo = None                      # RadixCache.match_memo's answer for it, while waiting
+        self.drafts: list[int] = []                  # the executor's proposed next tokens (speculation)
 
     def in_prefill(self) -> bool:
         r = self.req

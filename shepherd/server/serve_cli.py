@@ -12,7 +12,7 @@ import sys
 from typing import Optional
 
 from shepherd.config import (ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, ConfigError, EngineConfig,
-                             KVEventsConfig, SchedulerConfig, ServerConfig)
+                             KVEventsConfig, SchedulerConfig, ServerConfig, SpeculativeConfig)
 
 EXIT_CONFIG = 2
 
@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_argument("--victim", choices=VICTIMS, default=s.victim)
     sc.add_argument("--policy", choices=POLICIES, default=s.policy)
     sc.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+    sc.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help="speculative decoding, vLLM's --speculative-config: e.g. "
+                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' (prompt lookup), or "
+                         "'{\"method\": \"draft_model\", \"quantization\": \"int4\"}' (the target's own int4 "
+                         "weights draft); docs/SPECULATIVE.md")
 
     m = p.add_argument_group("model and engine")
     m.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
@@ -122,7 +127,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
         admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
-        prefix_cache=not args.no_prefix_cache,
+        prefix_cache=not args.no_prefix_cache, speculative=SpeculativeConfig.from_json(args.speculative_config),
     )
     if args.max_total_tokens is not None:
         if args.max_total_tokens < 1:

@@ -50,16 +50,16 @@ from shepherd.sim.hardware import GPUS, MODELS, GiB, GPUSpec, ModelSpec, get_gpu
 class BatchShape:
     """What a step's time depends on, extracted from a ScheduledBatch.
 
-    num_tokens      tokens fed this step (prefill chunks + one per decode)
+    num_tokens      tokens fed this step (prefill chunks + one per decode, + its drafts)
     num_seqs        sequences in the batch
-    num_decode      of those, single-token decodes
+    num_decode      of those, decodes (one token, or one and the drafts it verifies)
     ctx_tokens      KV positions read by attention, summed over sequences
                     (a sequence attends over start_pos + len(chunk) positions)
     prefill_pairs   query x key pairs of prefill chunks (n*start + n(n+1)/2):
                     the quadratic part of prefill attention FLOPs
-    sampled         sequences that sample a token (lm-head rows)
+    sampled         lm-head rows: one per sequence that samples, one more per draft verified
     swap_tokens     KV tokens moved between host and device before the step
-    decode_ctx      of ctx_tokens, those read by single-token decodes
+    decode_ctx      of ctx_tokens, those read by decodes
     """
     num_tokens: int = 0
     num_seqs: int = 0
@@ -101,10 +101,10 @@ def batch_shape(batch) -> BatchShape:
         s += 1
         ctx += start + n
         if seq.sample:
-            sampled += 1
-        if n == 1 and seq.sample:          # a decode: the last known token, sampling the next
+            sampled += 1 + seq.num_draft   # a verify samples after the last token and each draft
+        if n == 1 + seq.num_draft and seq.sample:   # a decode: the last known token (+ drafts), sampling
             d += 1
-            dctx += start + 1
+            dctx += start + n
         else:
             pairs += n * start + n * (n + 1) // 2
     swap = sum(len(op.slots) for op in batch.swap_out) + sum(len(op.slots) for op in batch.swap_in)

@@ -238,7 +238,9 @@ class Replica:
         # swap time is in the cost model's step time (PCIe transfer), not the executor's flat rate
         self.exec = SimTokens(kv_capacity=self.kv_capacity, host_kv_capacity=spec.host_kv,
                               max_model_len=spec.max_model_len, eos_token_id=2, step_time=spec.cost.step_time,
-                              swap_time_per_token=0.0, vocab_size=spec.vocab, check=False)
+                              swap_time_per_token=0.0, vocab_size=spec.vocab, check=False,
+                              acceptance_rate=spec.sched_cfg.speculative.acceptance_rate
+                              if spec.sched_cfg.speculative else 0.0)
         self.core = assemble(spec.sched_cfg, self.exec, VirtualClock(self._charge))
         self.sched = self.core.scheduler
         self.clock = 0.0

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from shepherd.config import ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, ConfigError, SchedulerConfig
+from shepherd.config import (ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, ConfigError, SchedulerConfig,
+                             SpeculativeConfig)
 
 
 def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,9 @@ def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--aging-steps", type=int, default=s.aging_steps,
                    help="a request waiting this many steps is served first (lof, random, lpm, dfs-weight, "
                         "priority; vtc and fcfs do not reorder by age) and is never overtaken when it does not fit")
+    k.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding as in serve; the simulated drafts are accepted with "
+                        "acceptance_rate each, and a verify costs its rows as tokens")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,7 +133,8 @@ def scheduler_config(args) -> SchedulerConfig:
         prefix_cache=not args.no_prefix_cache, mixed_steps=not args.no_mixed_steps,
         max_consecutive_prefill=args.max_consecutive_prefill,
         decode_first_prefill_every=args.decode_first_prefill_every, multi_step=args.multi_step,
-        aging_steps=args.aging_steps, seed=args.seed)
+        aging_steps=args.aging_steps, seed=args.seed,
+        speculative=SpeculativeConfig.from_json(args.speculative_config))
     return cfg
 
 
