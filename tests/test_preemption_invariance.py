@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shepherd.config import EngineConfig, SchedulerConfig
-from shepherd.engine.offline import run_offline
-from shepherd.request import Request, SamplingParams
-from shepherd.scheduler.scheduler import Scheduler
+from greedy_runs import serve_greedy
 
 pytestmark = pytest.mark.model
 
@@ -34,32 +32,22 @@ def prompts(ex):
                                                 {"role": "user", "content": q}])) for q in qs]
 
 
-_n = [0]
-
-
-def serve(ex, prompts, tag, **kw):
+def serve(ex, prompts, **kw):
     cfg = SchedulerConfig(max_total_tokens=ex.kv_capacity, max_batch_size=8, max_num_tokens=kw.pop("chunk", 48),
                           admission="optimistic", **kw)
-    s = Scheduler(cfg, host_kv_capacity=ex.host_kv_capacity, max_model_len=ex.max_model_len)
-    _n[0] += 1
-    reqs = [Request(f"{tag}{_n[0]}-{i}", list(p), SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
-                    arrival=0.0 if i < 2 else 0.05 * i, eos_token_ids=ex.eos_token_ids)
-            for i, p in enumerate(prompts)]
-    run_offline(s, ex, reqs)
-    s.check_integrity()
-    return [r.output_ids for r in reqs], s.stats()
+    return serve_greedy(ex, prompts, cfg, NEW, [0.0 if i < 2 else 0.05 * i for i in range(len(prompts))])
 
 
 @pytest.fixture(scope="module")
 def reference(ex, prompts):
-    out, st = serve(ex, prompts, "ref", prefix_cache=False, chunk=4096)
+    out, st = serve(ex, prompts, prefix_cache=False, chunk=4096)
     assert all(len(o) == NEW for o in out)
     return out
 
 
 @pytest.mark.parametrize("mode,prefix", [("recompute", True), ("swap", False)])
 def test_forced_preemption_does_not_change_tokens(ex, prompts, reference, mode, prefix):
-    out, st = serve(ex, prompts, f"{mode}{int(prefix)}", preemption=mode, prefix_cache=prefix,
+    out, st = serve(ex, prompts, preemption=mode, prefix_cache=prefix,
                     debug_preempt_every=3)
     assert st.preemptions >= 3
     if mode == "swap":
@@ -69,6 +57,6 @@ def test_forced_preemption_does_not_change_tokens(ex, prompts, reference, mode, 
 
 def test_prefix_cache_on_equals_off(ex, prompts, reference):
     # the 4th request repeats the 1st: all but its last prompt token come from the cache
-    out, st = serve(ex, prompts + prompts[:1], "pc", prefix_cache=True, chunk=32)
+    out, st = serve(ex, prompts + prompts[:1], prefix_cache=True, chunk=32)
     assert st.prefix_hit_tokens >= len(prompts[0]) - 1   # shared system prompt + the repeat
     assert out[:len(prompts)] == reference and out[-1] == reference[0]

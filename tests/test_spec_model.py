@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shepherd.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-from shepherd.engine.offline import run_offline
-from shepherd.request import Request, SamplingParams
-from shepherd.scheduler.scheduler import Scheduler
+from greedy_runs import serve_greedy
 
 pytestmark = pytest.mark.model
 
@@ -40,20 +38,10 @@ def prompts(ex):
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in asks]
 
 
-_n = [0]
-
-
 def serve(ex, prompts, spec, arrivals=None, **kw):
     cfg = SchedulerConfig(max_total_tokens=ex.kv_capacity, max_batch_size=kw.pop("batch", 8),
                           max_num_tokens=kw.pop("chunk", 4096), speculative=spec, **kw)
-    s = Scheduler(cfg, host_kv_capacity=ex.host_kv_capacity, max_model_len=ex.max_model_len)
-    _n[0] += 1
-    reqs = [Request(f"s{_n[0]}-{i}", list(p), SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
-                    arrival=(arrivals or [0.0] * len(prompts))[i], eos_token_ids=ex.eos_token_ids)
-            for i, p in enumerate(prompts)]
-    run_offline(s, ex, reqs)
-    s.check_integrity()
-    return [r.output_ids for r in reqs], s.stats()
+    return serve_greedy(ex, prompts, cfg, NEW, arrivals)
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +77,17 @@ def test_prefix_cache_hit_is_exact(ex, prompts, reference):
     out, st = serve(ex, prompts[:2], SPEC, arrivals=[0.0, 0.2], page_size=4)
     assert out == reference[:2]
     assert st.prefix_hit_tokens > 0 and st.spec_accepted_tokens > 0
+
+
+def test_draft_model_self_speculation_is_exact(default_model_path, prompts, reference):
+    """The target's own int4 weights draft for bf16: drafts are kept (they mostly agree) and
+    the tokens are still exactly the bf16 model's."""
+    from shepherd.engine.torch_executor import TorchExecutor
+    spec = SpeculativeConfig(method="draft_model", quantization="int4", num_speculative_tokens=3,
+                             disable_by_batch_size=0)
+    ex2 = TorchExecutor(EngineConfig(model=default_model_path, dtype="bfloat16", max_total_tokens=CAP,
+                                     host_kv_tokens=CAP, batch_invariant=True,
+                                     scheduler=SchedulerConfig(speculative=spec)))
+    out, st = serve(ex2, prompts[1:3], spec, arrivals=[0.0, 0.05], chunk=29)
+    assert out == reference[1:3]
+    assert st.spec_draft_tokens > 0 and st.spec_accepted_tokens > NEW // 4

@@ -44,11 +44,11 @@ class _Draft:
 
 class DraftModelDrafter:
     def __init__(self, spec: SpeculativeConfig, cfg: EngineConfig, target):
-        from shepherd.engine.torch_executor import TorchExecutor
         cap = min(int(target.kv_capacity), 1 << 16)
         dcfg = dataclasses.replace(cfg, model=spec.model or cfg.model, quantization=spec.quantization or "none",
                                    max_total_tokens=cap, host_kv_tokens=0, scheduler=SchedulerConfig())
-        self.model = TorchExecutor(dcfg)
+        # an executor of the target's own class (the executor builds its drafter: no import back)
+        self.model = type(target)(dcfg)
         if self.model.model_config.vocab_size != target.model_config.vocab_size:
             raise ConfigError(f"speculative draft model {spec.model!r} has a vocabulary of "
                               f"{self.model.model_config.vocab_size} tokens, the target {target.model_config.vocab_size}: "
