@@ -34,7 +34,7 @@ $(FLEET_STAMP): $(STAMP)
 	touch $(FLEET_STAMP)
 
 serve: install
-	$(BIN)/shepherd serve
+	$(BIN)/shepherd serve $(ARGS)
 
 test: install install-ray install-fleet
 	$(BIN)/python -m pytest -q --durations=15

@@ -257,7 +257,11 @@ class ServerConfig:
     port: int = 8000
     api_key: Optional[str] = None
     served_model_name: Optional[str] = None
-    max_body_bytes: int = 16 << 20       # larger request bodies get 413 before parsing
+    max_body_bytes: Optional[int] = None  # larger bodies get 413 before parsing; None = from the context
     max_json_depth: int = 64             # deeper JSON bodies get 400 before parsing
+    body_timeout: float = 30.0           # seconds for a whole request body to arrive; slower -> 408
+    max_grammar_bytes: int = 128 << 10   # larger grammar specs (schema, regex, choices, EBNF) get 400
+    grammar_timeout: float = 5.0         # a grammar that does not compile in this many seconds gets 400
+    warm_grammar_worker: bool = False    # start the grammar worker process with the server
     chat_template: Optional[str] = None  # jinja text replacing the model's template (--chat-template FILE)
     tool_call_parser: str = "hermes"     # hermes | json: how tool calls are found in the text (tool_choice auto)

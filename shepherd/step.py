@@ -128,3 +128,8 @@ class Executor(Protocol):
     paced: bool                         # True: on the wall clock, the engine waits out step_time
 
     def execute(self, batch: ScheduledBatch) -> StepResult: ...
+
+    # Optional: an executor that enforces grammars (torch) also has
+    #     grammar_ready(spec) -> bool
+    # True once `spec` is compiled; else it compiles in the background and says False (raises
+    # when it cannot be compiled). The core keeps such a request out of the scheduler until then.

@@ -13,8 +13,8 @@ from typing import Optional
 
 import uvicorn
 
-MODES = ("ok", "fail500", "overload503", "bad400", "die_before_first", "die_after_first", "hang",
-         "health_fail")
+MODES = ("ok", "fail500", "overload503", "full429", "bad400", "die_before_first", "die_after_first", "hang",
+         "close_after_read", "health_fail", "health_slow")
 
 
 class FakeBackend:
@@ -34,6 +34,7 @@ class FakeBackend:
         self.aborted = 0           # streams whose client went away
         self.bodies: list = []
         self.tokenized = 0         # /tokenize calls
+        self.auth: list = []       # the Authorization header of each proxied request
         self._lock = threading.Lock()
 
     # deterministic payloads ------------------------------------------------------------
@@ -78,6 +79,8 @@ class FakeBackend:
             return
         path = scope["path"]
         if path == "/health":
+            if self.mode == "health_slow":          # a busy replica: /health answers, but late
+                await asyncio.sleep(1.0)
             st = 500 if self.mode == "health_fail" else 200
             return await self._json(send, st, {"status": "ok" if st == 200 else "bad"})
         if path == "/metrics":
@@ -105,6 +108,7 @@ class FakeBackend:
             self.requests += 1
             self.active += 1
             self.bodies.append(body)
+            self.auth += [v.decode() for k, v in scope["headers"] if k.lower() == b"authorization"]
         try:
             await self._answer(body, receive, send)
         finally:
@@ -117,6 +121,11 @@ class FakeBackend:
             return await self._json(send, 500, {"error": {"message": "boom", "type": "internal"}})
         if mode == "overload503":
             return await self._json(send, 503, {"error": {"message": "busy", "type": "overloaded"}})
+        if mode == "full429":
+            return await self._json(send, 429, {"error": {"message": "full", "type": "rate_limit_error"}},
+                                    headers=[(b"retry-after", b"30")])
+        if mode == "close_after_read":
+            raise RuntimeError("fake backend dies after reading the request, before answering")
         if mode == "bad400":
             return await self._json(send, 400, {"error": {"message": "bad prompt", "type": "invalid_request_error"}})
         if mode == "hang":
@@ -151,11 +160,11 @@ class FakeBackend:
         finally:
             w.cancel()
 
-    async def _json(self, send, status, obj=None, raw: Optional[bytes] = None):
+    async def _json(self, send, status, obj=None, raw: Optional[bytes] = None, headers=()):
         data = raw if raw is not None else json.dumps(obj).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(data)).encode())]})
+                                (b"content-length", str(len(data)).encode())] + list(headers)})
         await send({"type": "http.response.body", "body": data})
 
 

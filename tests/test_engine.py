@@ -4,6 +4,7 @@ simulated one) with the real tokenizer."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from shepherd.config import EngineConfig, SchedulerConfig
-from shepherd.engine.engine import WATCHDOG_EXIT_CODE, Engine, EngineDeadError, QueueFull
+from shepherd.engine.engine import WATCHDOG_EXIT_CODE, Engine, EngineDeadError, QueueFull, RequestRejected
 from shepherd.step import StepResult
 from shepherd.model.loader import load_tokenizer
 from shepherd.request import SamplingParams, TokenLogprob
@@ -155,6 +156,70 @@ def test_stop_strings_spanning_tokens(tok, stop, expected):
             for o in outs:
                 acc += o.text
                 assert expected.startswith(acc)
+            await wait_idle(engine)
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_min_tokens_holds_stop_strings(tok):
+    """A stop string inside the first min_tokens tokens does not end the request (as vLLM);
+    the first one after it does."""
+    script = tok.encode("a, b, c, d, e, f, g, h")
+    async def main():
+        engine, _ = make_engine(tok, script)
+        await engine.start()
+        try:
+            free = joined(await collect(await engine.submit(tok.encode("p"), SamplingParams(max_tokens=50,
+                                                                                             stop=[","]))))
+            held = await collect(await engine.submit(tok.encode("p"), SamplingParams(
+                max_tokens=50, stop=[","], min_tokens=4)))
+            assert free == "a"                 # tokens: "a" "," " b" "," ...: the 2nd would stop it
+            assert joined(held) == "a, b" and held[-1].finish_reason == "stop"
+            await wait_idle(engine)
+        finally:
+            await engine.stop()
+    run(main())
+
+
+class SlowGrammars:
+    """The executor's grammar_ready, compiling for as long as the test says: False until `ready`
+    is set, and the step must never wait for it."""
+
+    def __init__(self):
+        self.ready = threading.Event()
+        self.asked = 0
+
+    def grammar_ready(self, spec) -> bool:
+        self.asked += 1
+        if spec[1] == "bad":
+            raise ValueError("no such grammar")
+        return self.ready.is_set()
+
+
+def test_a_request_waits_for_its_grammar_outside_the_batch(tok):
+    async def main():
+        ex = ScriptedExecutor(tok, tok.encode(TEXT))
+        grammars = SlowGrammars()
+        ex.grammar_ready = grammars.grammar_ready
+        engine = Engine(EngineConfig(executor="sim", watchdog_timeout=30.0), executor=ex, tokenizer=tok)
+        await engine.start()
+        try:
+            slow = engine.submit(tok.encode("p"), SamplingParams(max_tokens=5, grammar=("regex", "x+")))
+            free = await collect(await engine.submit(tok.encode("p"), SamplingParams(max_tokens=6)))
+            assert len(free) and free[-1].finish_reason == "length"        # ran while the grammar compiled
+            assert not slow.admitted.done() and grammars.asked > 0
+            assert all(n <= 1 for n in ex.batch_sizes)                     # the parked one never ran
+            grammars.ready.set()
+            outs = await collect(await slow)
+            assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 5
+            with pytest.raises(RequestRejected, match="no such grammar"):
+                await engine.submit(tok.encode("p"), SamplingParams(max_tokens=5, grammar=("regex", "bad")))
+            grammars.ready.clear()                                # an abort while parked
+            parked = engine.submit(tok.encode("p"), SamplingParams(max_tokens=5, grammar=("regex", "y+")))
+            parked.abort()
+            outs = await collect(parked)
+            assert outs[-1].finish_reason == "abort"
             await wait_idle(engine)
         finally:
             await engine.stop()
@@ -479,3 +544,26 @@ def test_submit_iterable_without_await(tok):
         finally:
             await engine.stop()
     run(main())
+
+
+def test_thread_governor_drops_to_one_thread_under_contention_and_comes_back():
+    """engine/threads.py: two contended windows in a row -> one thread; two windows with a CPU's
+    worth idle -> all threads again; one odd window changes nothing."""
+    from shepherd.engine.threads import ThreadGovernor, cpu_idle, thread_times
+    calls = []
+    gov = ThreadGovernor(2, calls.append, window=0.0)
+    for share, idle in [(0.6, 0.0), (0.02, 0.0), (0.5, 0.0)]:       # a spike, then calm: no change
+        gov.decide(share, idle)
+    assert calls == [] and gov.threads == 2
+    gov.decide(0.45, 0.0)                                          # the second contended window in a row
+    assert calls == [1] and gov.threads == 1
+    for share, idle in [(0.0, 0.1), (0.0, 0.9), (0.0, 0.2)]:       # still crowded (no CPU free twice)
+        gov.decide(share, idle)
+    assert calls == [1]
+    gov.decide(0.0, 0.9)
+    gov.decide(0.0, 1.0)
+    assert calls == [1, 2] and gov.threads == 2
+    gov.tick()                                                     # reads /proc for real without failing
+    run_wait, idle = thread_times(set()), cpu_idle(os.sched_getaffinity(0))
+    assert run_wait is None or run_wait[0] > 0
+    assert idle is None or idle[1] > 0

@@ -216,25 +216,97 @@ def test_error_event_after_first_byte_and_no_retry(cluster_factory):
     assert st == 200 and time.time() - t0 < 5
     events = [e for e in data.split(b"\n\n") if e]
     assert events[0].startswith(b"data: {") and b"tok0" in events[0]
-    err = json.loads(events[-1][len(b"data: "):])
+    assert events[-1] == b"data: [DONE]"                         # the client is not left waiting
+    err = json.loads(events[-2][len(b"data: "):])
     assert err["error"]["type"] == "upstream_error"
     assert c.fakes[0].requests + c.fakes[1].requests == 1       # not retried after the first byte
     assert 'shepherd_gateway_errors_total{kind="stream_error"} 1.0' in c.client.get("/metrics").text
     assert wait_for(c.idle)
 
 
-def test_timeout_before_headers_is_retried_and_nothing_hangs(cluster_factory):
+def test_read_timeout_is_504_not_retried_and_not_a_fault(cluster_factory):
+    """A slow replica has the request (it may be running it): the gateway neither runs it again
+    elsewhere nor holds the timeout against the replica."""
     c = cluster_factory(n=2, policy="round-robin",
+                        health=HealthConfig(health_interval=30, metrics_interval=0, fail_threshold=1),
                         cfg=GatewayConfig(retries=1, retry_backoff=0.001, read_timeout=0.3, connect_timeout=0.5))
     c.fakes[0].mode = "hang"
     t0 = time.time()
-    for _ in range(2):
-        assert c.client.post("/v1/completions", json=BODY).status_code == 200
-    assert time.time() - t0 < 3
-    c.fakes[1].mode = "hang"
-    r = c.client.post("/v1/completions", json=BODY)
-    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+    statuses = [c.client.post("/v1/completions", json=BODY).status_code for _ in range(4)]
+    assert time.time() - t0 < 5
+    assert sorted(statuses) == [200, 200, 504, 504]
+    assert c.fakes[0].requests == 2 and c.fakes[1].requests == 2          # never run twice
+    st, _, data = post_stream(c.client, BODY)                              # rr: to the hanging one
+    assert st == 504 and c.fakes[1].requests == 2
+    assert all(b.healthy and b.total_failures == 0 for b in c.pool.backends())
     assert wait_for(c.idle)
+
+
+class ReadThenClose:
+    """A backend that reads a whole request and closes the connection without answering."""
+
+    def __init__(self):
+        import socket
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, rest = data.partition(b"\r\n\r\n")
+            n = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+            while len(rest) < n:
+                rest += conn.recv(65536)
+            self.requests += 1
+            conn.close()
+
+
+def test_non_streaming_request_lost_after_sending_is_not_run_again(cluster_factory):
+    """The backend took the request and closed the connection without an answer: it may have run
+    it, so a non-streaming request is answered 502, not sent to the other replica; a stream that
+    gave nothing yet is retried (its client has nothing)."""
+    c = cluster_factory(n=1, health=HealthConfig(health_interval=30, metrics_interval=0, fail_threshold=5))
+    dead = ReadThenClose()
+    c.pool.add(dead.url, source="admin")
+    statuses = [c.client.post("/v1/completions", json=BODY).status_code for _ in range(4)]
+    assert sorted(statuses) == [200, 200, 502, 502] and dead.requests == 2 and c.fakes[0].requests == 2
+    for _ in range(2):
+        st, _, data = post_stream(c.client, BODY)
+        assert st == 200 and data.endswith(b"data: [DONE]\n\n")
+    assert dead.requests == 3
+    assert wait_for(c.idle)
+    dead.sock.close()
+
+
+def test_429_is_not_a_fault_and_moves_only_to_a_replica_with_room(cluster_factory):
+    c = cluster_factory(n=2, policy="round-robin",
+                        health=HealthConfig(health_interval=30, metrics_interval=0, fail_threshold=1))
+    c.fakes[0].mode = "full429"
+    for _ in range(4):
+        r = c.client.post("/v1/completions", json=BODY)
+        assert r.status_code == 200 and r.headers["x-shepherd-backend"] == c.servers[1].url
+    # m0 said "full for 30 s" once: it is not asked again meanwhile, and the retry says so
+    assert c.fakes[0].requests == 1
+    c.fakes[1].mode = "full429"
+    c.gw.proxy.full_until.clear()
+    r = c.client.post("/v1/completions", json=BODY)
+    assert r.status_code == 429 and r.headers["retry-after"] == "30"
+    assert "429" in r.headers["x-shepherd-attempts"]
+    r = c.client.post("/v1/completions", json=BODY)                # both full: answered at once
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 29
+    assert c.fakes[0].requests == 2 and c.fakes[1].requests == 5
+    assert all(b.healthy and b.total_failures == 0 for b in c.pool.backends())
 
 
 # --- in-flight accounting ------------------------------------------------------------------
@@ -295,6 +367,21 @@ def test_ejection_and_readmission(cluster_factory):
     assert b0.ejections == 1
 
 
+def test_a_slow_health_check_does_not_eject_a_busy_replica_but_silence_does(cluster_factory):
+    c = cluster_factory(n=2, policy="round-robin",
+                        health=HealthConfig(health_interval=0.05, health_timeout=0.1, metrics_interval=0,
+                                            fail_threshold=2, stall_timeout=1.0))
+    c.fakes[0].mode = "health_slow"
+    b0 = c.pool.backends()[0]
+    t0 = time.time()
+    while time.time() - t0 < 2.0:                    # traffic keeps flowing from it: slow, not dead
+        assert c.client.post("/v1/completions", json=BODY).status_code == 200
+        time.sleep(0.05)
+    assert b0.healthy and b0.ejections == 0
+    assert wait_for(lambda: not b0.healthy, timeout=5)  # nothing from it for stall_timeout: stalled
+    assert "stalled" in b0.last_error
+
+
 def test_passive_ejection_from_connection_failures(cluster_factory):
     c = cluster_factory(n=2, policy="round-robin",
                         health=HealthConfig(health_interval=30, metrics_interval=0, fail_threshold=2))
@@ -328,7 +415,8 @@ def test_gateway_own_errors_are_openai_json(cluster_factory):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = c.client.post("/v1/completions", content=b'{"prompt": "a\\ud800b", "max_tokens": 2}',
                       headers={"content-type": "application/json"})
-    assert r.status_code == 200                         # routed; the fake backend does not care
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+    assert c.fakes[0].requests == 0
     assert c.client.post("/v1/completions", json=BODY).status_code == 200
 
 
@@ -397,7 +485,8 @@ def test_read_backend_file_formats(tmp_path):
 
 
 def test_admin_add_and_remove(cluster_factory):
-    c = cluster_factory(n=1)
+    c = cluster_factory(n=1, cfg=GatewayConfig(admin_key="adm"))
+    c.client.headers["authorization"] = "Bearer adm"
     extra = ServerThread(FakeBackend("extra")).start()
     try:
         r = c.client.post("/admin/backends", json={"url": extra.url})
@@ -411,8 +500,49 @@ def test_admin_add_and_remove(cluster_factory):
             assert c.client.post("/v1/completions", json=BODY).headers["x-shepherd-backend"] == extra.url
         assert c.client.delete("/admin/backends", params={"url": "http://nope:1"}).status_code == 404
         assert c.client.post("/admin/backends", json={}).status_code == 400
+        r = c.client.post("/admin/backends", json={"url": "http://169.254.169.254"})
+        assert r.status_code == 400 and "link-local" in r.json()["error"]["message"]
     finally:
         extra.stop()
+
+
+def test_admin_is_off_without_a_key_and_needs_it_with_one(cluster_factory):
+    c = cluster_factory(n=1)
+    for method in ("GET", "POST", "DELETE"):
+        r = c.client.request(method, "/admin/backends", json={"url": "http://127.0.0.1:1"})
+        assert r.status_code == 404 and "--admin-key" in r.json()["error"]["message"]
+    c = cluster_factory(n=1, cfg=GatewayConfig(admin_key="adm", api_key="client"))
+    client_auth = {"authorization": "Bearer client"}
+    for method in ("GET", "POST", "DELETE"):
+        for hdrs in ({}, client_auth, {"authorization": "Bearer nope"}):
+            r = c.client.request(method, "/admin/backends", json={"url": "http://127.0.0.1:1"}, headers=hdrs)
+            assert r.status_code == 401, (method, hdrs, r.status_code)
+    assert len(c.pool.backends()) == 1
+    assert c.client.post("/v1/completions", json=BODY, headers=client_auth).status_code == 200
+
+
+def test_gateway_keys_client_and_backend(cluster_factory):
+    c = cluster_factory(n=1, cfg=GatewayConfig(api_key="client", backend_api_key="inner"))
+    assert c.client.post("/v1/completions", json=BODY).status_code == 401
+    assert c.client.post("/v1/completions", json=BODY, headers={"authorization": "Bearer x"}).status_code == 401
+    assert c.client.get("/v1/models").status_code == 401
+    assert c.client.get("/health").status_code == 200 and c.client.get("/metrics").status_code == 200
+    r = c.client.post("/v1/completions", json=BODY, headers={"authorization": "Bearer client"})
+    assert r.status_code == 200
+    # the backend sees the gateway's key, never the client's
+    assert c.fakes[0].auth == ["Bearer inner"]
+
+
+def test_large_unauthenticated_body_is_refused_before_it_is_read(cluster_factory):
+    """A client without the key declares 100 MB and sends a trickle: 401 at once."""
+    import socket
+    c = cluster_factory(n=1, cfg=GatewayConfig(api_key="client"))
+    with socket.create_connection(("127.0.0.1", c.gws.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000000\r\n\r\n{\"prompt\": \"")
+        head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 401")
+    assert c.fakes[0].requests == 0
 
 
 def test_cli_parses_and_rejects_bad_config():

@@ -21,6 +21,8 @@ from gateway_fakes import free_port  # noqa: E402
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(300)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADMIN = "e2e-admin"
+AUTH = {"authorization": f"Bearer {ADMIN}"}
 
 
 def _wait_health(url, proc, timeout):
@@ -48,7 +50,7 @@ def stack(tmp_path_factory):
                                "--backend", replicas[0][0], "--backend", replicas[1][0],
                                "--policy", "prefix-aware", "--health-interval", "0.2",
                                "--metrics-interval", "0.25", "--fail-threshold", "2",
-                               "--read-timeout", "60", "--retries", "2"],
+                               "--read-timeout", "60", "--retries", "2", "--admin-key", ADMIN],
                               cwd=ROOT, env=env, stdout=glog, stderr=subprocess.STDOUT)
         procs.append(gw)
         gurl = f"http://127.0.0.1:{gport}"
@@ -73,7 +75,7 @@ def stack(tmp_path_factory):
 
 
 def gateway_idle(gurl) -> bool:
-    bs = httpx.get(gurl + "/admin/backends", timeout=5).json()["backends"]
+    bs = httpx.get(gurl + "/admin/backends", timeout=5, headers=AUTH).json()["backends"]
     return all(b["in_flight"] == 0 for b in bs)
 
 
@@ -175,8 +177,8 @@ def test_killing_a_replica_under_load_loses_nothing_not_yet_streaming(stack):
             r = c.post("/v1/completions", json={"prompt": f"after {i}", "max_tokens": 4})
             assert r.status_code == 200, r.text
             assert r.headers["x-shepherd-backend"] == stack["replicas"][0][0]
-    assert wait_idle(g), httpx.get(g + "/admin/backends").json()
-    bs = {b["url"]: b for b in httpx.get(g + "/admin/backends").json()["backends"]}
+    assert wait_idle(g), httpx.get(g + "/admin/backends", headers=AUTH).json()
+    bs = {b["url"]: b for b in httpx.get(g + "/admin/backends", headers=AUTH).json()["backends"]}
     assert not bs[stack["replicas"][1][0]]["healthy"]
     m = httpx.get(g + "/metrics", timeout=5).text
     assert "shepherd_gateway_in_flight_total 0.0" in m

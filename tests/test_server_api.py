@@ -308,6 +308,11 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": "3"}, "n"),                   # strict types, as OpenAI
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "echo": "true"}, "echo"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 5e-324}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(50000)}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
     ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
@@ -414,6 +419,27 @@ def test_api_key_auth(tok):
         assert r.status_code == 200
         assert c.get("/health").status_code == 200
         assert c.get("/metrics").status_code == 200
+        assert c.get("/version").status_code == 200
+        # the key comes first: a malformed body, or one too deep, without the key is 401, not 400
+        for raw in (b"{not json", b"[" * 100000, b'{"prompt": "a\\ud800"}'):
+            r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 401, (raw[:20], r.status_code)
+        for path in ("/tokenize", "/detokenize", "/v1/responses", "/v1/models/x"):
+            assert c.request("POST" if "model" not in path else "GET", path, json={}).status_code == 401
+        # a large body without the key is refused before it is read: declared 100 MB, 13 bytes sent
+        head = raw_post(srv.port, 100_000_000, b'{"prompt": "a')
+        assert head.startswith(b"HTTP/1.1 401"), head[:60]
+        head = raw_post(srv.port, 100_000_000, b'{"prompt": "a', b"Authorization: Bearer sekret\r\n")
+        assert head.startswith(b"HTTP/1.1 413"), head[:60]          # with the key: over the size cap
+
+
+def raw_post(port: int, declared: int, part: bytes, extra: bytes = b"") -> bytes:
+    """POST that declares `declared` bytes and sends `part`; the server's answer head (it must
+    answer without waiting for the rest)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + extra +
+                  b"Content-Length: " + str(declared).encode() + b"\r\n\r\n" + part)
+        return s.recv(4096)
 
 
 # ---------------------------------------------------------------- limits, sim executor

@@ -8,15 +8,16 @@ import jsonschema
 import pytest
 import torch
 
-from shepherd.model.constraints import apply_constraints
-from shepherd.model.grammar import GrammarCompiler, GrammarError, GrammarMasks, check_schema
+from shepherd.model.constraints import bias_tensors, apply_constraints
+from shepherd.model.grammar import GrammarCompiler, GrammarError, GrammarMasks, check_schema, choice_ebnf
 from shepherd.model.loader import load_tokenizer
 from shepherd.model.sampler import Sampler, SamplingState
 from shepherd.request import SamplingParams
 from shepherd.step import NewRequest
 from shepherd.server import tools
-from shepherd.server.guard import body_problem
+from shepherd.server.guard import Refusal, json_depth, parse_body
 from shepherd.server.protocol import ChatCompletionRequest
+from shepherd.server.tool_stream import ToolCallScanner
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
@@ -107,13 +108,58 @@ def test_matcher_state_is_rebuilt_from_tokens_after_rollback_and_on_a_fresh_exec
     assert torch.equal(torch.isinf(rolled), torch.isinf(fresh))
 
 
+def test_choice_trie_accepts_exactly_the_choices(tok):
+    import xgrammar as xgr
+    choices = ["yes", "no", "yesterday", "n", "caf\u00e9 \"q\"", "yes sir"] + [f"item {i}" for i in range(300)]
+    ebnf = choice_ebnf(choices)
+    assert ebnf.count("::=") < 120                 # shared prefixes are factored, not 306 alternatives
+    compiled = GrammarCompiler.for_tokenizer(tok).compile(("choice", json.dumps(choices)))
+    for text, ok in [(c, True) for c in choices[:8]] + [("ye", False), ("yess", False), ("item 3000", False)]:
+        m = xgr.GrammarMatcher(compiled)
+        accepted = all(m.accept_token(t) for t in tok.encode(text))
+        assert (accepted and m.accept_token(tok.eos_token_ids[0])) == ok, text
+
+
+def test_grammar_check_budgets_and_cached_verdicts(tok):
+    """Over the size budget: refused without compiling. Over the time budget: refused after it, and
+    at once the next time (the verdict is cached); a good spec compiles in the worker process."""
+    import asyncio
+    import time
+
+    from shepherd.server.common import APIError
+    from shepherd.server.grammar_check import GrammarCheck
+    enum = ("json_schema", json.dumps({"type": "object", "properties": {"v": {
+        "enum": [f"value-{i}-of-the-list" for i in range(5000)]}}}))
+
+    async def main():
+        gc = GrammarCheck(tok, timeout=0.5, max_bytes=150_000)
+        try:
+            with pytest.raises(APIError, match="--max-grammar-bytes"):
+                await gc.check(("choice", json.dumps([f"c{i}" for i in range(40000)])), "p")
+            await gc.check(("regex", "[a-c]{3}"), "p")                 # starts the worker, compiles
+            with pytest.raises(APIError, match="'not'"):
+                await gc.check(("json_schema", json.dumps({"not": {}})), "p")
+            t0 = time.perf_counter()
+            with pytest.raises(APIError, match="--grammar-timeout"):
+                await gc.check(enum, "p")
+            assert time.perf_counter() - t0 < 5
+            t0 = time.perf_counter()
+            with pytest.raises(APIError, match="--grammar-timeout"):
+                await gc.check(enum, "p")
+            assert time.perf_counter() - t0 < 0.05
+            await gc.check(("regex", "[x-z]{2}"), "p")                 # a fresh worker after the kill
+        finally:
+            gc.stop()
+    asyncio.run(main())
+
+
 def test_unsupported_schema_constructs_are_named(tok):
     with pytest.raises(GrammarError, match="'not'"):
         check_schema({"type": "object", "properties": {"a": {"not": {"type": "string"}}}})
     with pytest.raises(GrammarError, match=r"\$ref"):
         check_schema({"$ref": "http://example.com/s.json"})
     check_schema({"type": "object", "properties": {"not": {"type": "string"}}})   # a property named "not"
-    c = GrammarCompiler(tok)
+    c = GrammarCompiler.for_tokenizer(tok)
     with pytest.raises(GrammarError, match="banana"):
         c.compile(("json_schema", '{"type": "banana"}'))
     with pytest.raises(GrammarError):
@@ -131,6 +177,12 @@ def test_logit_bias_and_min_tokens(tok):
     assert out[1, eos] == float("-inf") and torch.equal(logits[1, :eos], out[1, :eos])
     r2.output_ids = [5, 6]
     assert apply_constraints(logits, [r2], None)[0, eos] == 10.0
+    # a vocabulary-wide bias: built into tensors once, reused every step
+    big = _req("c", tok, logit_bias={t: (-1.0 if t % 2 else 1.0) for t in range(tok.vocab_size)})
+    first = apply_constraints(torch.zeros(1, tok.vocab_size), [big], None)
+    assert first[0, 0] == 1.0 and first[0, 1] == -1.0
+    ids_a = bias_tensors(big.params.logit_bias, tok.vocab_size)[0]
+    assert bias_tensors(big.params.logit_bias, tok.vocab_size)[0] is ids_a
 
 
 def _chat(**kw):
@@ -138,6 +190,48 @@ def _chat(**kw):
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
     return ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], **kw})
+
+
+STREAMED = [
+    ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris", "x": [1, {"a": "}"}]}}\n'
+     '</tool_call>\nDone <tool', "hermes"),
+    ('<tool_call>{"arguments": {"a": 1}, "name": "get_weather"}</tool_call>\n<tool_call>{"name": "get_weather", '
+     '"arguments": {"city": "Rome"}}</tool_call>', "hermes"),
+    ('<tool_call>{"name": "other", "arguments": {}}</tool_call> hi', "hermes"),
+    ('Plain <b>text</b> with < and <tool not a tag', "hermes"),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "hermes"),      # cut by max_tokens
+    ('[{"name":"get_weather","arguments":{"city":"Paris"}} , {"name":"get_weather","arguments":{}}]', "json"),
+    ('  {"name":"get_weather","arguments":"{\\"q\\": 1}"}', "json"),
+    ("Just text, no call.", "json"),
+]
+
+
+@pytest.mark.parametrize("text,framing", STREAMED)
+def test_tool_scanner_streams_what_it_parses_whole(text, framing):
+    """However the text is cut into pieces, the scanner's events reassemble to what it finds in the
+    whole text: the same calls, argument text and (stripped) content."""
+    import random
+    whole = ToolCallScanner({"get_weather"}, framing)
+    whole.feed(text)
+    whole.finish()
+    for seed in range(25):
+        rnd, scan, events, i = random.Random(seed), ToolCallScanner({"get_weather"}, framing), [], 0
+        while i < len(text):
+            n = rnd.randint(1, 5)
+            events += scan.feed(text[i:i + n])
+            i += n
+        events += scan.finish()
+        calls: dict = {}
+        for ev in events:
+            if ev[0] == "call":
+                calls[ev[1]] = [ev[2], ""]
+            elif ev[0] == "args":
+                calls[ev[1]][1] += ev[2]
+        content = "".join(ev[1] for ev in events if ev[0] == "content")
+        assert (content or None) == whole.content and [tuple(c) for c in calls.values()] == whole.tool_calls()
+    if text.startswith("Sure."):
+        assert whole.content == "Sure.\n\nDone <tool"
+        assert whole.tool_calls() == [("get_weather", '{"city": "Pa\\"ris", "x": [1, {"a": "}"}]}')]
 
 
 def test_tool_output_parsers():
@@ -170,11 +264,20 @@ def test_tool_history_round_trips_into_the_prompt(tok):
 
 
 def test_body_guard_finds_depth_and_lone_surrogates():
-    deep = json.loads("[" * 70 + "]" * 70)
-    assert "nested deeper than 64" in body_problem(deep, 64)
-    assert "surrogate" in body_problem(json.loads('{"messages": [{"content": "a\\ud800b"}]}'), 64)
-    assert "surrogate" in body_problem(json.loads('{"a\\udfff": 1}'), 64)
-    assert body_problem({"prompt": "fine \u00e9"}, 64) is None
+    def refusal(raw: bytes) -> str:
+        with pytest.raises(Refusal) as e:
+            parse_body(raw, 64)
+        return e.value.message
+    assert "nested deeper than 64" in refusal(b"[" * 70 + b"]" * 70)
+    # brackets inside strings do not count; escaped quotes do not end a string
+    assert json_depth(b'{"a": "[[[[\\"{{{{", "b": [[1]]}') == 3
+    assert parse_body(b'{"p": "' + b"[" * 500 + b'"}', 64) == {"p": "[" * 500}
+    assert "surrogate" in refusal(b'{"messages": [{"content": "a\\ud800b"}]}')
+    assert "surrogate" in refusal(b'{"a\\udfff": 1}')
+    assert "surrogate" in refusal(b'{"p": "a\xed\xa0\x80b"}')          # raw UTF-8 of U+D800
+    assert parse_body('{"prompt": "fine \u00e9 \U0001F600"}'.encode(), 64) == {"prompt": "fine \u00e9 \U0001F600"}
+    assert parse_body(b'{"prompt": "pair \\ud83d\\ude00"}', 64) == {"prompt": "pair \U0001F600"}
+    assert "not valid JSON" in refusal(b'{"prompt": "a",')
 
 
 TOOLS_TEMPLATE = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"

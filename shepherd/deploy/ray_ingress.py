@@ -6,15 +6,18 @@ calls the replica deployment through a handle whose request router is
 shepherd's policy (ray_router.py). The replica answers with shepherd's own
 app (ray_replica.py); the ingress relays the ASGI messages as they come.
 
-Routes: POST /v1/completions and /v1/chat/completions are routed by the
-policy; /metrics is the ingress's own registry (its requests, retries and
+Routes: POST /v1/completions, /v1/chat/completions and /v1/responses are
+routed by the policy; /metrics is the ingress's own registry (its requests, retries and
 errors, each replica's in-flight, running, waiting, KV use and prefix-cache
 counters, the policy's decisions); every other path (/health, /v1/models,
 /tokenize, ...) goes to any replica and gets that replica's answer (/health
 is 503 with Retry-After when no replica answers within `health_timeout`).
 
 The gateway's rules, with a handle in place of HTTP (docs/ROUTING.md):
-- the API key is checked before the body is read (401, OpenAI body);
+- the API key is checked before the body is read (401, OpenAI body), and the
+  body is read and parsed by the same door as `shepherd serve`'s
+  (server/guard.py: 413 over the cap, 408 when it is slower than
+  `body_timeout`, 400 for malformed, too deep or lone-surrogate JSON);
 - a failure before the first byte went to the client (the replica died,
   timed out, refused with 429/503) is retried on another replica, at most
   `retries` times with exponential backoff; the client then gets the last
@@ -43,13 +46,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shepherd.deploy.ray_replica import REPLICA_HEADER
 from shepherd.deploy.ray_call import HttpCall, live_router
-from shepherd.gateway.intake import (BadRequest, Disconnected, error_body, json_500_on_error, json_object, read_body,
-                                     route_request_from, send_json, send_metrics, split_headers, usage_tokens,
-                                     watch_disconnect)
+from shepherd.gateway.intake import (error_body, json_500_on_error, read_json_object, route_request_from, send_json,
+                                     send_metrics, split_headers, usage_tokens, watch_disconnect)
+from shepherd.server.guard import DEFAULT_BODY_TIMEOUT, Parser, Refusal, key_error, read_body
 
 log = logging.getLogger("shepherd.deploy")
 
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",   # path -> route_request_from's kind
+                "/v1/responses": "responses"}
 OPEN_PATHS = ("/health", "/metrics")        # no API key, as in `shepherd serve`
 
 
@@ -58,6 +62,7 @@ class IngressConfig:
     deployment: str = "ShepherdReplica"      # the replica deployment (whose router this process holds)
     api_key: Optional[str] = None
     max_body_bytes: int = 16 << 20
+    body_timeout: float = DEFAULT_BODY_TIMEOUT   # 408 when a body takes longer to arrive
     retries: int = 2                         # extra attempts on other replicas, before the first byte only
     retry_backoff: float = 0.02              # seconds before the first retry; doubles each time
     retry_backoff_max: float = 0.5
@@ -83,6 +88,7 @@ class IngressApp:
         self.handle = replicas.options(stream=True, method_name="serve_http")
         self.cfg = cfg or IngressConfig()
         self.metrics = IngressMetrics(self, registry)
+        self.parser = Parser()
         self.in_flight = 0
         self._warmup: Optional[asyncio.Future] = None
 
@@ -108,22 +114,30 @@ class IngressApp:
             path = path[len(root):] or "/"
         if path == "/metrics" and method == "GET":
             return await send_metrics(send, self.metrics.registry)
-        if self.cfg.api_key and path not in OPEN_PATHS and not self._key_ok(scope):
+        refused = key_error(scope, self.cfg.api_key) if path not in OPEN_PATHS else None
+        if refused is not None:
             self.metrics.errors.labels("unauthorized").inc()
-            return await send_json(send, 401, error_body(
-                "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"))
+            return await send_json(send, refused.status, refused.payload())
+        cfg = self.cfg
         try:
-            body = await read_body(receive, self.cfg.max_body_bytes) if method not in ("GET", "HEAD") else b""
             headers, xh = split_headers(scope["headers"])
-            route = None
-            if path in ROUTED_PATHS and method == "POST":
-                route = route_request_from(json_object(body), path == "/v1/chat/completions", xh, time.monotonic())
-        except Disconnected:
-            self.metrics.errors.labels("client_abort").inc()
-            return
-        except BadRequest as e:
+            body, route = b"", None
+            if method not in ("GET", "HEAD"):
+                if path in ROUTED_PATHS and method == "POST":
+                    got = await read_json_object(receive, scope, self.parser, cfg.max_body_bytes,
+                                                 cfg.body_timeout, "ingress body cap")
+                    if got is not None:
+                        body, payload = got
+                        route = route_request_from(payload, ROUTED_PATHS[path], xh, time.monotonic())
+                else:
+                    got = body = await read_body(receive, scope, cfg.max_body_bytes, cfg.body_timeout,
+                                                 "ingress body cap")
+                if got is None:
+                    self.metrics.errors.labels("client_abort").inc()
+                    return
+        except Refusal as r:
             self.metrics.errors.labels("bad_request").inc()
-            return await send_json(send, e.status, error_body(e.message, param=e.param, code=e.status))
+            return await send_json(send, r.status, r.payload())
         call = HttpCall(method=method, path=path, query_string=scope.get("query_string", b""),
                         headers=headers, body=body, route=route)
         timeout = self.cfg.health_timeout if path == "/health" else self.cfg.read_timeout
@@ -137,11 +151,6 @@ class IngressApp:
             pass
         finally:
             _cancel(gen)
-
-    def _key_ok(self, scope) -> bool:
-        auth = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
-        scheme, _, token = auth.decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and token.strip() == self.cfg.api_key
 
     async def _guarded(self, receive, send, call: HttpCall, timeout: float) -> None:
         """Dispatch; a client that leaves cancels it (and so the replica's call)."""

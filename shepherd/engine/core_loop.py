@@ -86,10 +86,14 @@ class ServedCore:
         self.last_stats = self.scheduler.stats()
         self._reqs: dict[str, Request] = {}
         self._first: set[str] = set()                  # requests that have not produced a token yet
+        # requests whose grammar the executor is still compiling: outside the scheduler, so no
+        # step waits for a compile; admitted (or rejected) once grammar_ready says so
+        self._grammar_ready: Optional[Callable[[tuple], bool]] = getattr(core.executor, "grammar_ready", None)
+        self._parked: dict[str, Request] = {}
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._parked)
 
     # ---------------------------------------------------------------- intake
     def intake(self, items: list, now: float) -> tuple[list, list[tuple]]:
@@ -100,18 +104,16 @@ class ServedCore:
             if kind == ADD:
                 req: Request = arg
                 req.arrival = min(req.arrival, now)
-                try:
-                    self.scheduler.add(req, now)
-                except QueueFull as e:
-                    answers.append((req.req_id, ("full", str(e), float(e.retry_after or 1.0))))
-                    continue
-                except RequestRejected as e:
-                    answers.append((req.req_id, ("rejected", str(e), 0.0)))
-                    continue
-                self._reqs[req.req_id] = req
-                self._first.add(req.req_id)
-                answers.append((req.req_id, None))
+                if req.params.grammar is not None and self._grammar_ready is not None:
+                    self._parked[req.req_id] = req
+                else:
+                    self._admit(req, now, answers)
             elif kind == ABORT:
+                if arg in self._parked:    # answered as accepted, then ended as aborted
+                    req = self._parked.pop(arg)
+                    answers.append((arg, None))
+                    outs.append(self._output(req, [], [], True, FinishReason.ABORT.value, None))
+                    continue
                 self.scheduler.abort(arg, now)
                 req = self._reqs.pop(arg, None)
                 if req is not None:
@@ -119,10 +121,38 @@ class ServedCore:
             elif kind == FINISH:   # the front matched a stop string and has answered already
                 self.scheduler.finish(arg, FinishReason.STOP, now)
                 self._reqs.pop(arg, None)
+        if self._parked:
+            self._unpark(now, answers)
         return answers, outs
 
+    def _admit(self, req: Request, now: float, answers: list) -> None:
+        try:
+            self.scheduler.add(req, now)
+        except QueueFull as e:
+            answers.append((req.req_id, ("full", str(e), float(e.retry_after or 1.0))))
+            return
+        except RequestRejected as e:
+            answers.append((req.req_id, ("rejected", str(e), 0.0)))
+            return
+        self._reqs[req.req_id] = req
+        self._first.add(req.req_id)
+        answers.append((req.req_id, None))
+
+    def _unpark(self, now: float, answers: list) -> None:
+        """Admit the parked requests whose grammar is ready; reject those whose grammar failed."""
+        for rid, req in list(self._parked.items()):
+            try:
+                if not self._grammar_ready(req.params.grammar):
+                    continue
+            except Exception as e:  # noqa: BLE001 - the server compiled it first; this request ends, not the core
+                del self._parked[rid]
+                answers.append((rid, ("rejected", f"cannot enforce the requested {req.params.grammar[0]}: {e}", 0.0)))
+                continue
+            del self._parked[rid]
+            self._admit(req, now, answers)
+
     def abort_all(self, now: float) -> list[tuple]:
-        return self.intake([(ABORT, rid) for rid in list(self._reqs)], now)[1]
+        return self.intake([(ABORT, rid) for rid in list(self._reqs) + list(self._parked)], now)[1]
 
     def publish_kv_events(self) -> None:
         """Once per loop iteration: the prefix cache's changes go to the publisher's thread (a list

@@ -102,15 +102,30 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     # The loop runs in this process's main thread: libgomp (torch's OpenMP) keeps a warm worker
     # team only for the initial thread; driven from another thread, every parallel region paid
     # for a fresh team and a decode step took 40 ms instead of 22 (benchmarks/omp_thread.py).
-    if not _serve(served, conn, log):
+    if not _serve(served, conn, log, governor(cfg, threads)):
         sys.exit(1)
 
 
-def _serve(served, conn, log) -> bool:
+def governor(cfg, threads: int):
+    """The thread governor (engine/threads.py) when the thread count is the core's to choose."""
+    if cfg.num_threads is not None or cfg.executor != "torch" or threads < 2:
+        return None
+    import torch
+
+    from shepherd.engine.threads import ThreadGovernor
+    return ThreadGovernor(threads, torch.set_num_threads)
+
+
+def _serve(served, conn, log, gov=None) -> bool:
     """Run the engine loop until shutdown; False if it crashed."""
     from shepherd.engine.core_loop import run_loop
+    send = conn.send
+    if gov is not None:
+        def send(msg, _send=conn.send, _tick=gov.tick):    # once per step: the loop's own message
+            _send(msg)
+            _tick()
     try:
-        run_loop(served, PipeRecv(conn), conn.send)
+        run_loop(served, PipeRecv(conn), send)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("server went away; engine core exits")
     except BaseException as e:  # noqa: BLE001

@@ -104,7 +104,7 @@ class _Track:
     """Front bookkeeping of one request: detokeniser and stop strings."""
 
     __slots__ = ("req", "stream", "detok", "text", "sent", "checked", "stops", "max_stop", "stop_ids",
-                 "done", "t_last", "first", "matched", "stop_reason")
+                 "done", "t_last", "first", "matched", "stop_reason", "tokens")
 
     def __init__(self, req: Request, stream: RequestStream, detok, stop_ids: set[int]):
         self.req = req
@@ -121,6 +121,11 @@ class _Track:
         self.first = True
         self.matched = ""       # the stop string find_stop found
         self.stop_reason: Any = None
+        self.tokens = 0         # output tokens pushed to the detokenizer
+
+    def push(self, tid: int) -> None:
+        self.text += self.detok.push(tid)
+        self.tokens += 1
 
     def cut_at_stop(self, idx: int) -> None:
         """End the text at the stop string found at idx (keeping it when the request asks)."""
@@ -129,8 +134,13 @@ class _Track:
         self.stop_reason = self.matched
 
     def find_stop(self) -> int:
-        """Index in self.text where the earliest stop string starts, or -1."""
+        """Index in self.text where the earliest stop string starts, or -1. Before min_tokens
+        tokens are out no stop string ends the request (vLLM's rule: min_tokens holds EOS, stop ids
+        and stop strings alike); one that ends at or after that token still does."""
         if not self.stops:
+            return -1
+        if self.tokens < self.req.params.min_tokens:
+            self.checked = len(self.text)
             return -1
         start = max(0, self.checked - self.max_stop + 1)
         best = -1
@@ -201,7 +211,7 @@ class OutputProcessor:
             if final_stop_token and tid in (req.params.stop_token_ids or ()):
                 tr.stop_reason = tid
             if not final_stop_token:
-                tr.text += tr.detok.push(tid)
+                tr.push(tid)
                 idx = tr.find_stop()
                 if idx >= 0:
                     tr.cut_at_stop(idx)

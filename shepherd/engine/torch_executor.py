@@ -191,7 +191,7 @@ class TorchExecutor:
         self.host: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.sampler = Sampler()
-        self.sampler.grammar = GrammarMasks(self.tokenizer)
+        self.sampler.grammar = GrammarMasks(self.tokenizer, vocab_size=mcfg.vocab_size)
         self.drafter = make_drafter(cfg.scheduler.speculative, cfg, self)
         self.reqs: dict[str, _ReqState] = {}
         self._arange = torch.arange(max(self.max_model_len, 1) + kv_block, dtype=torch.long)
@@ -250,6 +250,10 @@ class TorchExecutor:
                 self._run(batch.seqs, res)
         res.step_time = time.perf_counter() - t0
         return res
+
+    def grammar_ready(self, spec: tuple[str, str]) -> bool:
+        """step.Executor's optional hook: compiles in the sampler's background thread."""
+        return self.sampler.grammar.prepare(spec)
 
     def add(self, new: NewRequest) -> None:
         """A request seen for the first time (execute does this for batch.new)."""

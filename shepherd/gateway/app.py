@@ -1,81 +1,81 @@
 """The gateway: an OpenAI-compatible HTTP proxy across replicas.
 
     gw = Gateway(BackendPool(["http://127.0.0.1:8001", "http://127.0.0.1:8002"]),
-                 make_policy("prefix-aware"))
+                 make_policy("prefix-aware"), GatewayConfig(api_key="...", admin_key="..."))
     uvicorn.run(gw, ...)            # a plain ASGI app
 
 Routes
-  POST /v1/completions, /v1/chat/completions   routed by the policy, passed through;
-                                                SSE relayed chunk by chunk, byte for byte
-  GET  /v1/models                               the union of the healthy backends' models
-  GET  /health                                  200 while at least one backend is healthy, else 503
-  GET  /metrics                                 the gateway's own Prometheus registry
-  GET  /admin/backends                          backends with their state
-  POST /admin/backends   {"url": URL}           add a backend
-  DELETE /admin/backends {"url": URL} or ?url=  remove a backend
+  POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize
+                                 routed by the policy, passed through; SSE relayed chunk by chunk
+  GET  /v1/models, /v1/models/{id}   the union of the healthy backends' models
+  GET  /health                   200 while at least one backend is healthy, else 503
+  GET  /metrics                  the gateway's own Prometheus registry
+  /admin/backends                off unless --admin-key (admin.py)
+
+Credentials first. With `api_key` every route but /health and /metrics needs
+`Authorization: Bearer <api_key>`, checked before the body is read (401).
+The client's Authorization header goes on to the backend unless
+`backend_api_key` is set, in which case the gateway sends that key instead
+(and the client's never leaves the gateway).
 
 Request life (the invariants tests/test_gateway.py checks):
 - in-flight of the chosen backend is +1 when a request is dispatched and -1
   in a `finally` when that attempt ends, whatever way: success, backend
   error, retry, client abort (a watcher on http.disconnect cancels the
   handler), timeout.
-- A backend failure before the first byte reached the client (connect
-  error, timeout, a stream that dies before its first chunk) or a 429/503
-  overload answer is retried on another replica, at most `retries` times,
-  with exponential backoff. Response headers go to the client only together
-  with the first body chunk, so "nothing sent yet" is exact.
-- After the first byte, a failure ends the stream with one SSE error event
-  (`data: {"error": {...}}`); nothing hangs: connect/read/write timeouts
-  bound every wait on a backend.
-- Only connect errors, timeouts, broken streams and /health count toward
-  ejecting a backend. Any HTTP answer (4xx, or a 5xx about one request's
-  content) is passed through once and counts as a success: three hostile
-  requests must not eject every replica.
+- Retries and what counts against a replica: the table in proxy.py. In
+  short: only before a backend may have run the request, never for a timeout,
+  429 only onto a replica with room.
+- After the first byte, a failure ends the stream with one SSE error event and
+  [DONE]; nothing hangs: connect/read/write timeouts bound every wait.
 - Bad input to the gateway itself (not JSON, not an object, no prompt /
-  messages, body too large) gets a 400 with an OpenAI-style error body.
+  messages, body too large or too slow) gets an OpenAI-style error body.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
-from urllib.parse import parse_qs
 
 import httpx
+from prometheus_client import CollectorRegistry
 
-from shepherd.gateway.backends import Backend, BackendPool, normalize_url
+from shepherd.gateway.admin import Admin
+from shepherd.gateway.backends import Backend, BackendPool
 from shepherd.gateway.gw_metrics import GatewayMetrics
-from shepherd.gateway.http1 import Http1Pool, Response, UpstreamError
-from shepherd.gateway.intake import (BadRequest, Disconnected, error_body, json_500_on_error, json_object, read_body,
-                                     route_request_from, send_json, send_metrics, split_headers, usage_tokens,
-                                     watch_disconnect)
+from shepherd.gateway.http1 import Http1Pool
+from shepherd.gateway.intake import (error_body, json_500_on_error, read_json_object, route_request_from, send_json,
+                                     send_metrics, split_headers, watch_disconnect)
 from shepherd.gateway.kv_routing import KVRouting
-from shepherd.routing import NoReplicaAvailable, RouteRequest, RoutingPolicy
+from shepherd.gateway.proxy import Proxy
+from shepherd.routing import RoutingPolicy
+from shepherd.server.guard import Parser, Refusal, key_error
 
 log = logging.getLogger("shepherd.gateway")
 
-PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
-# response headers never copied back to the client
-_DROP_RESP = {"content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
-              "upgrade", "date", "server"}
-
+PROXY_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/responses": "responses",
+               "/tokenize": "tokenize", "/detokenize": "detokenize"}
+OPEN_PATHS = ("/health", "/metrics")
 
 @dataclass
 class GatewayConfig:
-    retries: int = 2                 # extra attempts on other replicas, before the first byte only
+    retries: int = 2                 # extra attempts on other replicas, when it is safe (proxy.py)
     retry_backoff: float = 0.02      # seconds before the first retry; doubles each time
     retry_backoff_max: float = 0.5
     connect_timeout: float = 2.0
-    read_timeout: float = 120.0      # longest silence from a backend (to headers, first and next chunks)
+    read_timeout: float = 600.0      # longest silence from a backend (a whole non-streamed answer)
     write_timeout: float = 30.0
     pool_timeout: float = 30.0
     max_keepalive: int = 512         # idle connections kept per backend
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int = 16 << 20   # 413 beyond (the replicas have their own, usually smaller, cap)
+    body_timeout: float = 30.0       # 408 when a body takes longer to arrive
     models_timeout: float = 5.0
     backend_header: bool = True      # add x-shepherd-backend to responses
+    api_key: Optional[str] = None          # clients must send it (Bearer)
+    backend_api_key: Optional[str] = None  # sent to backends instead of the client's Authorization
+    admin_key: Optional[str] = None        # /admin/* is off without it
 
 
 class Gateway:
@@ -97,8 +97,14 @@ class Gateway:
         self.upstream: Optional[Http1Pool] = None            # proxied requests
         self.in_flight = 0
         self._started = False
-        self._count_output = getattr(policy, "name", "") == "vtc-basic" or getattr(
+        self.count_output = getattr(policy, "name", "") == "vtc-basic" or getattr(
             getattr(policy, "fallback", None), "name", "") == "vtc-basic"
+        self.proxy = Proxy(self)
+        self.parser = Parser()
+        self.admin = Admin(pool, self.cfg.admin_key, self.policy_name,
+                           kv_status=kv.status if kv is not None else None)
+        auth = self.cfg.backend_api_key
+        self._backend_auth = [(b"authorization", f"Bearer {auth}".encode())] if auth else None
         pool.on_change = self._on_pool_change
         pool.on_health = self._on_health
 
@@ -164,8 +170,13 @@ class Gateway:
                 return
 
     async def _http(self, scope, receive, send) -> None:
-        path = scope["path"]
-        method = scope["method"]
+        path, method = scope["path"], scope["method"]
+        if path == "/admin/backends":
+            return await self.admin.handle(scope, receive, send)
+        if path not in OPEN_PATHS:
+            refused = key_error(scope, self.cfg.api_key)
+            if refused is not None:
+                return await send_json(send, refused.status, refused.payload())
         if path in PROXY_PATHS:
             if method != "POST":
                 return await send_json(send, 405, error_body(f"{method} not allowed on {path}"))
@@ -173,21 +184,24 @@ class Gateway:
         if path == "/health" and method in ("GET", "HEAD"):
             n = self.pool.healthy_count()
             return await send_json(send, 200 if n else 503,
-                                    {"status": "ok" if n else "no healthy backend", "healthy_backends": n,
-                                     "backends": len(self.pool.replicas())})
+                                   {"status": "ok" if n else "no healthy backend", "healthy_backends": n,
+                                    "backends": len(self.pool.replicas())})
         if path == "/metrics" and method == "GET":
             return await send_metrics(send, self.metrics.registry)
-        if path == "/v1/models" and method == "GET":
-            return await self._models(scope, send)
-        if path == "/admin/backends":
-            return await self._admin(scope, receive, send, method)
+        if (path == "/v1/models" or path.startswith("/v1/models/")) and method == "GET":
+            return await self._models(scope, send, path[len("/v1/models/"):] if path != "/v1/models" else None)
         return await send_json(send, 404, error_body(f"no route {method} {path}", "not_found_error"))
 
     # --- helpers -----------------------------------------------------------------------
-    async def _models(self, scope, send) -> None:
+    def _auth_headers(self, scope) -> list:
+        if self._backend_auth is not None:
+            return list(self._backend_auth)
+        return [(k, v) for k, v in scope["headers"] if k.lower() == b"authorization"]
+
+    async def _models(self, scope, send, model_id: Optional[str]) -> None:
         assert self.client is not None
         bs = [b for b in self.pool.backends() if b.healthy]
-        fwd = [(k, v) for k, v in scope["headers"] if k.lower() == b"authorization"]
+        fwd = self._auth_headers(scope)
 
         async def one(b: Backend):
             try:
@@ -205,208 +219,40 @@ class Gateway:
                 if mid is not None and mid not in seen:
                     seen.add(mid)
                     data.append(m)
-        await send_json(send, 200, {"object": "list", "data": data})
+        if model_id is None:
+            return await send_json(send, 200, {"object": "list", "data": data})
+        card = next((m for m in data if m["id"] == model_id), None)
+        if card is None:
+            return await send_json(send, 404, error_body(f"The model `{model_id}` does not exist.",
+                                                         "invalid_request_error", "model_not_found", "model"))
+        await send_json(send, 200, card)
 
-    async def _admin(self, scope, receive, send, method: str) -> None:
-        if method == "GET":
-            return await send_json(send, 200, {"policy": self.policy_name,
-                                                "backends": [b.to_dict() for b in self.pool.backends()],
-                                                "kv_events": self.kv.status() if self.kv is not None else {}})
-        if method not in ("POST", "DELETE"):
-            return await send_json(send, 405, error_body(f"{method} not allowed on /admin/backends"))
-        try:
-            body = await read_body(receive, self.cfg.max_body_bytes)
-        except Disconnected:
-            return
-        except BadRequest as e:
-            return await send_json(send, e.status, error_body(e.message))
-        url = None
-        qs = parse_qs(scope.get("query_string", b"").decode())
-        if "url" in qs:
-            url = qs["url"][0]
-        elif body.strip():
-            try:
-                obj = json.loads(body)
-                url = obj.get("url") if isinstance(obj, dict) else None
-            except ValueError:
-                return await send_json(send, 400, error_body("body must be JSON {\"url\": ...}"))
-        if not isinstance(url, str) or not url:
-            return await send_json(send, 400, error_body("a backend 'url' is required", param="url"))
-        try:
-            url = normalize_url(url)
-        except ValueError as e:
-            return await send_json(send, 400, error_body(str(e), param="url"))
-        if method == "POST":
-            b = self.pool.add(url, source="admin")
-            return await send_json(send, 200, {"added": url, "backend": b.to_dict()})
-        if not self.pool.remove(url):
-            return await send_json(send, 404, error_body(f"no backend {url}", "not_found_error"))
-        return await send_json(send, 200, {"removed": url})
+    def _forward_headers(self, scope) -> tuple[list, dict]:
+        """(headers to send on, the x- headers the policies may read)."""
+        fwd, hdrs = split_headers(scope["headers"])
+        return [(k, v) for k, v in fwd if k.lower() != b"authorization"] + self._auth_headers(scope), hdrs
 
     # --- the proxy ---------------------------------------------------------------------
     async def _proxy(self, scope, receive, send, path: str) -> None:
-        m = self.metrics
+        m, cfg = self.metrics, self.cfg
         try:
-            body = await read_body(receive, self.cfg.max_body_bytes)
-            payload = json_object(body)
-            fwd, hdrs = split_headers(scope["headers"])
-            rr = route_request_from(payload, path == "/v1/chat/completions", hdrs, time.monotonic())
-        except Disconnected:
-            m.errors.labels("client_abort").inc()
-            return
-        except BadRequest as e:
+            got = await read_json_object(receive, scope, self.parser, cfg.max_body_bytes, cfg.body_timeout,
+                                         "gateway body cap")
+            if got is None:
+                m.errors.labels("client_abort").inc()
+                return
+            body, payload = got
+            fwd, hdrs = self._forward_headers(scope)
+            rr = route_request_from(payload, PROXY_PATHS[path], hdrs, time.monotonic())
+        except Refusal as r:
             m.errors.labels("bad_request").inc()
-            return await send_json(send, e.status, error_body(e.message, param=e.param, code=e.status))
+            return await send_json(send, r.status, r.payload())
         if self.kv is not None:
             await self.kv.fill(rr, payload, path == "/v1/chat/completions", self.pool.replicas(), self.client)
         self.in_flight += 1
         try:
-            if not await watch_disconnect(receive, send, lambda s: self._dispatch(s, path, body, fwd, rr)):
+            stream = payload.get("stream") is True
+            if not await watch_disconnect(receive, send, lambda s: self.proxy.dispatch(s, path, body, fwd, rr, stream)):
                 m.errors.labels("client_abort").inc()
         finally:
             self.in_flight -= 1
-
-    async def _dispatch(self, send, path, body, fwd, rr: RouteRequest) -> None:
-        m, cfg, pool = self.metrics, self.cfg, self.pool
-        tried: set = set()
-        last_answer = None            # (status, headers, body) of the last retryable HTTP answer
-        last_error = "no backend"
-        for attempt in range(cfg.retries + 1):
-            cands = [r for r in pool.replicas() if r.healthy and r.url not in tried]
-            if not cands:
-                break
-            try:
-                replica = self.policy.choose(rr, cands)
-            except NoReplicaAvailable:
-                break
-            m.decisions.labels(self.policy_name, self.policy.last_reason or "-").inc()
-            backend = pool.get(replica.url)
-            if backend is None:        # removed between choose and here (cannot happen on one loop)
-                tried.add(replica.url)
-                continue
-            done, why, answer = await self._attempt(send, path, body, fwd, rr, backend)
-            if done:
-                return
-            tried.add(backend.url)
-            last_error = why
-            if answer is not None:
-                last_answer = answer
-            if attempt < cfg.retries and any(r.healthy and r.url not in tried for r in pool.replicas()):
-                m.retries.labels(why.split(":")[0]).inc()
-                await asyncio.sleep(min(cfg.retry_backoff * (2 ** attempt), cfg.retry_backoff_max))
-        # nothing reached the client: answer for the gateway
-        if last_answer is not None:
-            status, headers, data = last_answer
-            m.errors.labels("upstream").inc()
-            await send({"type": "http.response.start", "status": status,
-                        "headers": headers + [(b"content-length", str(len(data)).encode())]})
-            await send({"type": "http.response.body", "body": data})
-            return
-        if not tried:
-            m.errors.labels("no_backend").inc()
-            return await send_json(send, 503, error_body("no healthy backend", "service_unavailable", 503),
-                                    [(b"retry-after", b"1")])
-        m.errors.labels("upstream").inc()
-        await send_json(send, 502, error_body(f"all backends failed: {last_error}", "upstream_error", 502))
-
-    def _resp_headers(self, resp: Response, backend: Backend) -> list:
-        out = [(k, v) for k, v in resp.headers_raw if k.decode("latin-1").lower() not in _DROP_RESP]
-        if self.cfg.backend_header:
-            out.append((b"x-shepherd-backend", backend.url.encode()))
-        return out
-
-    async def _attempt(self, send, path, body, fwd, rr, backend: Backend):
-        """One try on one backend. Returns (done, why, retryable_answer):
-        done=True when the client got a complete answer (or an error event
-        after the first byte); else nothing was sent and the caller may retry."""
-        assert self.upstream is not None
-        m, pool, state = self.metrics, self.pool, backend.state
-        state.in_flight += 1
-        backend.total_requests += 1
-        self.policy.on_dispatch(rr, state)
-        out_tokens = 0
-        status_label = "error"
-        try:
-            try:
-                resp = await self.upstream.request("POST", backend.url, path, fwd, body)
-            except UpstreamError as e:
-                pool.record_failure(backend, f"{e.kind}: {e}")
-                return False, f"{e.kind}: {e} ({backend.url})", None
-            try:
-                status = resp.status_code
-                status_label = str(status)
-                if status in (429, 503):
-                    # "busy, try elsewhere": another replica may have room; not a failure
-                    try:
-                        data = await resp.read()
-                    except UpstreamError:
-                        data = json.dumps(error_body(f"backend answered {status}", "upstream_error",
-                                                     status)).encode()
-                    why = f"overloaded: HTTP {status} from {backend.url}"
-                    return False, why, (status, self._resp_headers(resp, backend), data)
-                # Any other answer, 4xx or 5xx, is about this request's content: passed through,
-                # never retried (it would fail the same way elsewhere) and never held against the
-                # replica, so a client cannot eject replicas by sending bad requests.
-                pool.record_success(backend)
-                if not resp.content_type.startswith("text/event-stream"):
-                    try:
-                        data = await resp.read()
-                    except UpstreamError as e:
-                        pool.record_failure(backend, f"{e.kind}: {e}")
-                        return False, f"{e.kind}: {e} reading the body ({backend.url})", None
-                    if self._count_output and status == 200:
-                        out_tokens = usage_tokens(data)
-                    headers = self._resp_headers(resp, backend)
-                    headers.append((b"content-length", str(len(data)).encode()))
-                    await send({"type": "http.response.start", "status": status, "headers": headers})
-                    await send({"type": "http.response.body", "body": data})
-                    return True, "", None
-                # SSE: wait for the first chunk before anything goes to the client
-                it = resp.iter_raw()
-                try:
-                    first = await it.__anext__()
-                except StopAsyncIteration:
-                    first = b""
-                except UpstreamError as e:
-                    pool.record_failure(backend, f"{e.kind}: {e}")
-                    return False, f"{e.kind}: {e} before the first chunk ({backend.url})", None
-                await send({"type": "http.response.start", "status": status,
-                            "headers": self._resp_headers(resp, backend)})
-                if first:
-                    if self._count_output:
-                        out_tokens += first.count(b"data: ")
-                    await send({"type": "http.response.body", "body": first, "more_body": True})
-                relayed, broken = await self._relay_rest(send, it, backend)
-                out_tokens += relayed
-                if broken:
-                    status_label = "stream_error"
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return True, "", None
-            finally:
-                resp.close()
-        finally:
-            state.in_flight -= 1
-            m.requests.labels(backend.url, status_label).inc()
-            try:
-                self.policy.on_finish(rr, state, max(0, out_tokens - 1) if out_tokens else out_tokens)
-            except Exception:          # pragma: no cover - a policy bug must not leak in-flight
-                log.exception("policy.on_finish")
-
-
-    async def _relay_rest(self, send, it, backend: Backend) -> tuple[int, bool]:
-        """Relay a stream after its first chunk: (data events seen, whether the backend broke it).
-        After the first byte a failure is told in-band, with one SSE error event."""
-        count, n = self._count_output, 0
-        try:
-            async for chunk in it:
-                if count:
-                    n += chunk.count(b"data: ")
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except UpstreamError as e:
-            self.pool.record_failure(backend, f"{e.kind}: {e} mid-stream")
-            self.metrics.errors.labels("stream_error").inc()
-            ev = error_body(f"backend {backend.url} failed mid-stream: {e}", "upstream_error", 502)
-            await send({"type": "http.response.body",
-                        "body": b"data: " + json.dumps(ev).encode() + b"\n\n", "more_body": True})
-            return n, True
-        return n, False

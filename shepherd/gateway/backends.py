@@ -7,6 +7,11 @@ whatever way it ends); a periodic scrape of each backend's /metrics fills
 periodic GET /health plus the outcome of real requests drive ejection
 (`fail_threshold` consecutive failures) and re-admission (`success_threshold`
 consecutive successful health checks). A client's 4xx is never a failure.
+
+Slow is not dead. A replica that refuses connections or answers /health with
+an error is failing; one whose /health is merely slow (a busy CPU) is not,
+unless nothing at all has come from it (no health answer, no byte of any
+request) for `stall_timeout` seconds: then it is stalled and counts as failing.
 """
 from __future__ import annotations
 
@@ -117,6 +122,7 @@ class HealthConfig:
     metrics_interval: float = 0.25   # seconds between /metrics scrapes (0 = off)
     metrics_timeout: float = 1.0
     file_interval: float = 1.0       # seconds between checks of --backend-file
+    stall_timeout: float = 30.0      # a replica silent this long (health and traffic) is failing
 
 
 class Backend:
@@ -131,6 +137,7 @@ class Backend:
         self.last_error: Optional[str] = None
         self.removed = False
         self.ejections = 0
+        self.last_progress = time.monotonic()   # when a byte last came from it (health or traffic)
 
     @property
     def healthy(self) -> bool:
@@ -237,8 +244,13 @@ class BackendPool:
         return True
 
     # --- health bookkeeping -------------------------------------------------------
+    @staticmethod
+    def saw_progress(b: Backend) -> None:
+        b.last_progress = time.monotonic()
+
     def record_success(self, b: Backend) -> None:
         b.consecutive_failures = 0
+        b.last_progress = time.monotonic()
 
     def record_failure(self, b: Backend, reason: str) -> None:
         b.consecutive_failures += 1
@@ -269,11 +281,22 @@ class BackendPool:
         try:
             r = await self._client.get(b.url + "/health", timeout=self.health.health_timeout)
             ok = 200 <= r.status_code < 300
+        except httpx.TimeoutException as e:
+            if b.removed:
+                return False
+            silent = time.monotonic() - b.last_progress
+            if silent < self.health.stall_timeout:
+                log.info("backend %s slow to answer /health (%s); silent for %.1f s, not failing yet",
+                         b.url, type(e).__name__, silent)
+                return False
+            self.record_failure(b, f"health: no answer, silent for {silent:.0f} s (stalled)")
+            return False
         except (httpx.HTTPError, OSError) as e:
             ok = False
             reason = f"health: {type(e).__name__}"
         else:
             reason = f"health: HTTP {r.status_code}"
+            b.last_progress = time.monotonic()
         if b.removed:
             return ok
         if ok:

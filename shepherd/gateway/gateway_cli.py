@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional
 
 from shepherd.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
+from shepherd.server.serve_cli import add_door_flags, add_flags
 
 EXIT_CONFIG = 2
 
@@ -42,24 +44,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the gateway gets a prompt's token ids for KV-event routing: a backend's /tokenize "
                         "(default), or this tokenizer (a .gguf / Hugging Face folder; 'default': the default model)")
     p.add_argument("--list-knobs", action="store_true", help="print every policy's knobs and exit")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
-    p.add_argument("--retries", type=int, default=g.retries,
-                   help="extra attempts on other replicas before the first byte (default %(default)s)")
-    p.add_argument("--retry-backoff", type=float, default=g.retry_backoff,
-                   help="seconds before the first retry, doubling (default %(default)s)")
+    add_door_flags(p, 8000, g.max_body_bytes, g.body_timeout, "warning")
     p.add_argument("--connect-timeout", type=float, default=g.connect_timeout)
-    p.add_argument("--read-timeout", type=float, default=g.read_timeout,
-                   help="longest silence from a backend, seconds (default %(default)s)")
-    p.add_argument("--fail-threshold", type=int, default=h.fail_threshold,
-                   help="consecutive failures that eject a backend (default %(default)s)")
-    p.add_argument("--success-threshold", type=int, default=h.success_threshold,
-                   help="consecutive good health checks that re-admit it (default %(default)s)")
-    p.add_argument("--health-interval", type=float, default=h.health_interval,
-                   help="seconds between health checks (default %(default)s)")
-    p.add_argument("--metrics-interval", type=float, default=h.metrics_interval,
-                   help="seconds between backend /metrics scrapes, 0 = off (default %(default)s)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_flags(p, [
+        ("--backend-api-key", str, os.environ.get("SHEPHERD_BACKEND_API_KEY"),
+         "the key sent to the backends instead of the client's Authorization header "
+         "(default: $SHEPHERD_BACKEND_API_KEY, else the client's header goes on)"),
+        ("--admin-key", str, os.environ.get("SHEPHERD_ADMIN_KEY"),
+         "turn /admin/backends on, for 'Authorization: Bearer KEY' only (default: $SHEPHERD_ADMIN_KEY, "
+         "else the admin endpoints are off)"),
+        ("--retries", int, g.retries, "extra attempts on other replicas, only where safe (docs/ROUTING.md)"),
+        ("--retry-backoff", float, g.retry_backoff, "seconds before the first retry, doubling"),
+        ("--read-timeout", float, g.read_timeout,
+         "longest silence from a backend, seconds; then 504, not retried and not held against the replica"),
+        ("--stall-timeout", float, h.stall_timeout,
+         "a replica that sends nothing (health or traffic) this long counts as failing; a slow /health does not"),
+        ("--fail-threshold", int, h.fail_threshold, "consecutive failures that eject a backend"),
+        ("--success-threshold", int, h.success_threshold, "consecutive good health checks that re-admit it"),
+        ("--health-interval", float, h.health_interval, "seconds between health checks"),
+        ("--metrics-interval", float, h.metrics_interval, "seconds between backend /metrics scrapes, 0 = off"),
+    ])
 
 
 def policy_from_args(args: argparse.Namespace):
@@ -79,13 +83,19 @@ def build_gateway(args: argparse.Namespace):
     for name in ("retries", "fail_threshold", "success_threshold"):
         if getattr(args, name) < (0 if name == "retries" else 1):
             raise ValueError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
+    if args.max_body_bytes < 1024 or args.body_timeout <= 0 or args.stall_timeout <= 0:
+        raise ValueError("--max-body-bytes must be >= 1024, --body-timeout and --stall-timeout > 0")
     health = HealthConfig(fail_threshold=args.fail_threshold, success_threshold=args.success_threshold,
-                          health_interval=args.health_interval, metrics_interval=args.metrics_interval)
+                          health_interval=args.health_interval, metrics_interval=args.metrics_interval,
+                          stall_timeout=args.stall_timeout)
     pool = BackendPool(args.backend, health=health, backend_file=args.backend_file)
     if not pool.backends() and not args.backend_file:
         raise ValueError("give at least one --backend URL or a --backend-file")
     cfg = GatewayConfig(retries=args.retries, retry_backoff=args.retry_backoff,
-                        connect_timeout=args.connect_timeout, read_timeout=args.read_timeout)
+                        connect_timeout=args.connect_timeout, read_timeout=args.read_timeout,
+                        max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                        api_key=args.api_key or None, backend_api_key=args.backend_api_key or None,
+                        admin_key=args.admin_key or None)
     kv = None
     if args.kv_events or getattr(policy, "kv_index", None) is not None:
         kv = KVRouting(policy, args.kv_events, args.tokenizer)
@@ -106,8 +116,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"shepherd gateway: {e}", file=sys.stderr)
         return EXIT_CONFIG
     import uvicorn
+    keys = ", API key required" if args.api_key else ""
+    keys += ", admin endpoints on" if args.admin_key else ""
     print(f"shepherd gateway: {pname} over {len(gw.pool.backends())} backend(s) "
-          f"on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+          f"on http://{args.host}:{args.port}{keys}", file=sys.stderr, flush=True)
     uvicorn.run(gw, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 lifespan="on", timeout_keep_alive=30)
     return 0

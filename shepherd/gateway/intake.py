@@ -1,4 +1,6 @@
-"""What the gateway reads of a request before routing it, and its own JSON answers."""
+"""What the gateway and the Ray ingress read of a request before routing it, and their own
+JSON answers. The door itself (the key before the body, the body's size, time and shape) is
+server/guard.py's, the same one `shepherd serve` uses."""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +8,7 @@ import json
 from typing import Awaitable, Callable, Optional
 
 from shepherd.routing import RouteRequest
+from shepherd.server.guard import Parser, Refusal, answer, read_body
 
 
 # request headers never forwarded to a replica (hop-by-hop, or the client's framing)
@@ -19,40 +22,24 @@ def error_body(message: str, type_: str = "invalid_request_error", code=None, pa
 
 
 async def send_json(send, status: int, obj, headers: Optional[list] = None) -> None:
-    data = json.dumps(obj).encode()
-    h = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    if headers:
-        h.extend(headers)
-    await send({"type": "http.response.start", "status": status, "headers": h})
-    await send({"type": "http.response.body", "body": data, "more_body": False})
+    await answer(send, status, json.dumps(obj).encode(), headers)
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+def bad_request(message: str, param: Optional[str] = None) -> Refusal:
+    return Refusal(400, message, "invalid_request", param=param)
 
 
-class Disconnected(Exception):
-    pass
-
-
-async def read_body(receive, max_bytes: int) -> bytes:
-    """The whole request body; BadRequest (413) past max_bytes, Disconnected if the client left."""
-    chunks = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise Disconnected()
-        b = msg.get("body", b"")
-        if b:
-            size += len(b)
-            if size > max_bytes:
-                raise BadRequest(f"request body larger than {max_bytes} bytes", status=413)
-            chunks.append(b)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
+async def read_json_object(receive, scope, parser: Parser, max_bytes: int, timeout: Optional[float],
+                           flag: str) -> Optional[tuple[bytes, dict]]:
+    """(the body, it parsed as a JSON object): guard.read_body, then parser.parse; None when the
+    client went away; Refusal (400, 408, 413) otherwise."""
+    body = await read_body(receive, scope, max_bytes, timeout, flag)
+    if body is None:
+        return None
+    payload = await parser.parse(body)
+    if not isinstance(payload, dict):
+        raise bad_request("request body must be a JSON object")
+    return body, payload
 
 
 async def send_metrics(send, registry) -> None:
@@ -64,17 +51,6 @@ async def send_metrics(send, registry) -> None:
                 "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
                             (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})
-
-
-def json_object(body: bytes) -> dict:
-    """The request body as a JSON object; BadRequest otherwise."""
-    try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError):
-        raise BadRequest("request body is not valid JSON (or nested too deeply)") from None
-    if not isinstance(payload, dict):
-        raise BadRequest("request body must be a JSON object")
-    return payload
 
 
 def split_headers(headers) -> tuple[list, dict]:
@@ -170,47 +146,59 @@ def _flatten_content(content) -> str:
     return str(content)
 
 
-def route_request_from(payload: dict, chat: bool, headers: dict, now: float) -> RouteRequest:
-    """What the routing policy sees of a request; raises BadRequest on bad input."""
+def _prompt_text(payload: dict) -> tuple[str, Optional[list]]:
+    if "prompt" not in payload:
+        raise bad_request("'prompt' is required", "prompt")
+    prompt = payload["prompt"]
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        return " ".join(map(str, prompt)), prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
+        return prompt[0], None           # route a batch by its first prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
+        ids = prompt[0] if all(isinstance(t, int) for t in prompt[0]) else None
+        return " ".join(map(str, prompt[0])), ids
+    raise bad_request("'prompt' must be a string, a list of strings, or token ids", "prompt")
+
+
+def _chat_text(payload: dict, key: str = "messages") -> str:
+    msgs = payload.get(key)
+    if isinstance(msgs, str) and key == "input":              # /v1/responses: input may be a string
+        return msgs
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request(f"'{key}' must be a non-empty list", key)
+    parts = []
+    for m in msgs:
+        if not isinstance(m, dict):
+            raise bad_request(f"each item of '{key}' must be an object", key)
+        parts.append(f"<|{m.get('role', '')}|>{_flatten_content(m.get('content'))}\n")
+    return "".join(parts)
+
+
+def route_request_from(payload: dict, kind: str, headers: dict, now: float) -> RouteRequest:
+    """What the routing policy sees of a request (kind: completions | chat | responses | tokenize |
+    detokenize); raises Refusal (400) on bad input."""
     token_ids = None
-    if chat:
-        msgs = payload.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("'messages' must be a non-empty list", "messages")
-        parts = []
-        for m in msgs:
-            if not isinstance(m, dict):
-                raise BadRequest("each message must be an object", "messages")
-            parts.append(f"<|{m.get('role', '')}|>{_flatten_content(m.get('content'))}\n")
-        text = "".join(parts)
+    if kind == "chat" or (kind == "tokenize" and "messages" in payload):
+        text = _chat_text(payload)
+    elif kind == "responses":
+        text = _chat_text(payload, "input")
+    elif kind == "detokenize":
+        text = ""                          # any replica: nothing to route on
     else:
-        if "prompt" not in payload:
-            raise BadRequest("'prompt' is required", "prompt")
-        prompt = payload["prompt"]
-        if isinstance(prompt, str):
-            text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool)
-                                                         for x in prompt):
-            token_ids = prompt
-            text = " ".join(map(str, prompt))
-        elif isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
-            text = prompt[0]           # route a batch by its first prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
-            token_ids = prompt[0] if all(isinstance(t, int) for t in prompt[0]) else None
-            text = " ".join(map(str, prompt[0]))
-        else:
-            raise BadRequest("'prompt' must be a string, a list of strings, or token ids", "prompt")
+        text, token_ids = _prompt_text(payload)
     # lone surrogates (legal in JSON, not in UTF-8) would break the policies' hashing; the
     # replica answers such a request with a 400, the gateway only needs something to route on
     text = text.encode("utf-8", "replace").decode("utf-8")
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
+        raise bad_request("'stream' must be a boolean", "stream")
     user = payload.get("user")
     if user is not None and not isinstance(user, str):
-        raise BadRequest("'user' must be a string", "user")
+        raise bad_request("'user' must be a string", "user")
     user = user or headers.get("x-client-id") or None
-    mt = payload.get("max_tokens", payload.get("max_completion_tokens"))
+    mt = payload.get("max_tokens", payload.get("max_completion_tokens", payload.get("max_output_tokens")))
     return RouteRequest(
         text=text, token_ids=token_ids, user=user, session=headers.get("x-session-id"),
         headers=headers, input_tokens=len(token_ids) if token_ids else max(1, len(text) // 4),

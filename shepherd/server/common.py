@@ -74,14 +74,23 @@ class TokenStrings:
         return s
 
 
+LOGPROB_FLOOR = -9999.0      # what vLLM writes for a logprob of -inf (JSON has no infinities)
+
+
+def finite(logprob: float) -> float:
+    """A logprob JSON can carry: -inf (a masked token) and NaN become LOGPROB_FLOOR; nothing is above 0."""
+    x = float(logprob)
+    return min(x, 0.0) if x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def completion_logprobs(tokstr: TokenStrings, lps, offset0: int) -> dict:
     tokens, tlp, tops, offs = [], [], [], []
     off = offset0
     for lp in lps:
         s = tokstr(lp.token_id)
         tokens.append(s)
-        tlp.append(float(lp.logprob))
-        tops.append({tokstr(t): float(v) for t, v in lp.top} if lp.top else None)
+        tlp.append(finite(lp.logprob))
+        tops.append({tokstr(t): finite(v) for t, v in lp.top} if lp.top else None)
         offs.append(off)
         off += len(s)
     return {"tokens": tokens, "token_logprobs": tlp, "top_logprobs": tops, "text_offset": offs}
@@ -91,8 +100,8 @@ def chat_logprobs(tokstr: TokenStrings, lps) -> dict:
     content = []
     for lp in lps:
         s = tokstr(lp.token_id)
-        content.append({"token": s, "logprob": float(lp.logprob), "bytes": list(s.encode("utf-8")),
-                        "top_logprobs": [{"token": tokstr(t), "logprob": float(v),
+        content.append({"token": s, "logprob": finite(lp.logprob), "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": tokstr(t), "logprob": finite(v),
                                           "bytes": list(tokstr(t).encode("utf-8"))} for t, v in lp.top]})
     return {"content": content}
 

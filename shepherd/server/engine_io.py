@@ -109,6 +109,34 @@ def stream_error_chunk(out: EngineOutput) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+async def sse_events(streams: list[RequestStream], on_output, usage_chunk, prelude=(), on_error=None):
+    """The SSE body of a streamed answer: the `prelude` chunks, then `on_output(i, out)`'s chunks
+    for every output of every choice, then (unless one ended in an error: one error event) the
+    chunk `usage_chunk(completion_tokens, cached_tokens)` if it gives one, then [DONE]. With
+    `on_error` (the Responses API) errors are its event and there is no [DONE]. The requests
+    are released however it ends."""
+    n = len(streams)
+    comp, cached = [0] * n, [0] * n
+    try:
+        for c in prelude:
+            yield c
+        async for i, out in merged(streams):
+            if out.error is not None:
+                yield stream_error_chunk(out) if on_error is None else on_error(out)
+                break
+            comp[i], cached[i] = out.completion_tokens, out.cached_tokens
+            for c in on_output(i, out):
+                yield c
+        else:
+            last = usage_chunk(sum(comp), max(cached))
+            if last:
+                yield last
+        if on_error is None:
+            yield "data: [DONE]\n\n"
+    finally:
+        release(streams)
+
+
 async def collect(streams: list[RequestStream]):
     """Non-streaming answer: each choice's whole text, logprobs and terminal output."""
     n = len(streams)

@@ -1,74 +1,232 @@
-"""Checks on a JSON body before FastAPI parses it (an ASGI middleware).
+"""The door of the HTTP servers: the key first, then the body's size, time and shape.
 
-FastAPI would hand a body nested 100,000 deep to json.loads (RecursionError,
-a 500) and strings with lone surrogates to the tokenizer (UnicodeEncodeError,
-a 500). Here every POST body is read once, capped in size, parsed, walked
-without recursion for its depth and for lone surrogates, and then replayed to
-the app unchanged. Failures are OpenAI-style 400 / 413 answers.
+Each check runs before anything that costs more than it does, so that a
+request without a key, or with a body nobody could serve, is refused before
+it is read, parsed or tokenized:
+
+  1. the bearer key (401), before one byte of the body is read, on every
+     path except the open ones (/health, /metrics, /version, the docs);
+  2. a Content-Length over the cap (413), at once; then the body is read
+     with the cap (413) and a deadline for the whole body (408), so a
+     slow-body connection cannot hold a request open;
+  3. the JSON is parsed once (400 when malformed), then checked for depth
+     and lone UTF-16 surrogates (400): FastAPI would hand a body nested
+     100,000 deep to json.loads (a RecursionError) and lone surrogates to
+     the tokenizer (a UnicodeEncodeError). Both checks look at the raw bytes
+     first and walk the parsed object only when the bytes say they must.
+
+The parsed object travels in the ASGI scope to the routes (`JsonRoute`), so
+FastAPI does not parse the body a second time. Parsing holds the GIL (tens of
+milliseconds for a body of a megabyte), so large bodies are parsed one per
+turn of the event loop: between two of them, /health and the streams run. The gateway uses the same
+pieces (`key_error`, `read_body`) on its own ASGI app.
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
+import re
 from typing import Any, Optional
 
-DEFAULT_MAX_BODY_BYTES = 16 << 20
+from fastapi import Request
+from fastapi.routing import APIRoute
+
 DEFAULT_MAX_JSON_DEPTH = 64
+DEFAULT_BODY_TIMEOUT = 30.0
+LARGE_BODY = 64 << 10        # bodies from this size are parsed one per turn of the event loop
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
+                        "/openapi.json"})
+SCOPE_JSON = "shepherd.json"
+
+# a lone surrogate can only enter as a \uD800-\uDFFF escape or as the raw (invalid) UTF-8 bytes
+# of one, which json.loads accepts from bytes; without either the walk is skipped
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
-def _error(message: str, param: Optional[str] = None, code: Optional[str] = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                 "code": code}}).encode()
+class Refusal(Exception):
+    """An answer the door gives instead of the app: status, OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, code: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.type, self.param = status, message, code, type_, param
+
+    def payload(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def body(self) -> bytes:
+        return json.dumps(self.payload()).encode()
 
 
-def body_problem(obj: Any, max_depth: int) -> Optional[str]:
-    """Why the parsed body is refused (too deep, a lone surrogate), or None."""
-    stack = [(obj, 1, "body")]
+def bearer(scope) -> Optional[str]:
+    for k, v in scope.get("headers", ()):
+        if k.lower() == b"authorization":
+            scheme, _, token = v.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+def key_error(scope, key: Optional[str], what: str = "API key") -> Optional[Refusal]:
+    """A 401 unless the request carries `Authorization: Bearer <key>` (None: no key is required)."""
+    if not key:
+        return None
+    token = bearer(scope)
+    if token is not None and hmac.compare_digest(token.encode(), key.encode()):
+        return None
+    return Refusal(401, f"Invalid or missing {what}: send 'Authorization: Bearer <key>'.", "invalid_api_key")
+
+
+def content_length(scope) -> Optional[int]:
+    for k, v in scope.get("headers", ()):
+        if k.lower() == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+async def read_body(receive, scope, max_bytes: int, timeout: Optional[float], flag: str) -> Optional[bytes]:
+    """The whole body, or None if the client went away. Refusal 413 over `max_bytes` (from the
+    Content-Length alone when it says so), 408 when it has not all arrived within `timeout` s.
+    `flag` names the option that sets the cap, for the message."""
+    declared = content_length(scope)
+    if declared is not None and declared > max_bytes:
+        raise Refusal(413, f"request body of {declared} bytes is larger than {max_bytes} bytes ({flag})",
+                      "body_too_large")
+    chunks, size = [], 0
+
+    async def pull() -> bool:
+        nonlocal size
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return False
+            b = msg.get("body", b"")
+            size += len(b)
+            if size > max_bytes:
+                raise Refusal(413, f"request body larger than {max_bytes} bytes ({flag})", "body_too_large")
+            chunks.append(b)
+            if not msg.get("more_body", False):
+                return True
+    try:
+        whole = await asyncio.wait_for(pull(), timeout) if timeout else await pull()
+    except asyncio.TimeoutError:
+        raise Refusal(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)",
+                      "body_timeout") from None
+    return b"".join(chunks) if whole else None
+
+
+def json_depth(body: bytes) -> int:
+    """Deepest nesting of brackets outside strings (0 for a scalar)."""
+    skeleton = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    if skeleton.count(b"[") + skeleton.count(b"{") <= 1:
+        return min(1, len(skeleton))
+    import numpy as np
+    arr = np.frombuffer(skeleton, dtype=np.uint8)
+    step = np.where((arr == ord("[")) | (arr == ord("{")), 1, np.where((arr == ord("]")) | (arr == ord("}")), -1, 0))
+    return int(np.cumsum(step, dtype=np.int64).max())
+
+
+def surrogate_at(obj: Any) -> Optional[str]:
+    """Where the parsed body holds a lone UTF-16 surrogate, or None."""
+    stack = [(obj, "body")]
     while stack:
-        node, depth, where = stack.pop()
-        if depth > max_depth:
-            return f"the JSON body is nested deeper than {max_depth} levels (at {where})"
+        node, where = stack.pop()
         if isinstance(node, str):
             try:
                 node.encode("utf-8")
             except UnicodeEncodeError:
-                return f"{where} contains a lone UTF-16 surrogate, which is not valid Unicode text"
+                return where
         elif isinstance(node, dict):
             for k, v in node.items():
-                stack.append((k, depth + 1, f"{where} key"))
-                stack.append((v, depth + 1, f"{where}.{k}" if isinstance(k, str) and k.isascii() else where))
+                stack.append((k, f"{where} key"))
+                stack.append((v, f"{where}.{k}" if isinstance(k, str) and k.isascii() else where))
         elif isinstance(node, list):
-            stack.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(node))
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node) if isinstance(v, (str, list, dict)))
     return None
 
 
+def parse_body(body: bytes, max_depth: int) -> Any:
+    """The parsed JSON body; Refusal 400 when it is malformed, too deep or holds a lone surrogate."""
+    depth = json_depth(body) if body.count(b"[") + body.count(b"{") > max_depth else 0
+    if depth > max_depth:
+        raise Refusal(400, f"the JSON body is nested deeper than {max_depth} levels ({depth}; --max-json-depth)",
+                      "invalid_body")
+    try:
+        obj = json.loads(body)
+    except RecursionError:
+        raise Refusal(400, f"the JSON body is nested deeper than {max_depth} levels", "invalid_body") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refusal(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+    if _SURROGATE_BYTES.search(body):
+        where = surrogate_at(obj)
+        if where is not None:
+            raise Refusal(400, f"{where} contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                          "invalid_body")
+    return obj
+
+
+class Parser:
+    """parse_body for an event loop: a large body is parsed one per turn of the loop (parsing holds
+    the GIL), so that between two of them the loop serves /health and the streams."""
+
+    def __init__(self, max_depth: int = DEFAULT_MAX_JSON_DEPTH):
+        self.max_depth = max_depth
+        self._large: Optional[asyncio.Lock] = None
+
+    async def parse(self, body: bytes) -> Any:
+        if len(body) < LARGE_BODY:
+            return parse_body(body, self.max_depth)
+        if self._large is None:
+            self._large = asyncio.Lock()
+        async with self._large:     # held across a turn of the loop: one large parse per turn
+            await asyncio.sleep(0)
+            return parse_body(body, self.max_depth)
+
+
+async def answer(send, status: int, data: bytes, headers: Optional[list] = None) -> None:
+    h = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": h + list(headers or ())})
+    await send({"type": "http.response.body", "body": data})
+
+
 class BodyGuard:
-    def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 max_depth: int = DEFAULT_MAX_JSON_DEPTH):
+    """ASGI middleware of `shepherd serve`: steps 1-3 of the module doc for every POST
+    (step 1 for every request); the parsed body goes on in scope["shepherd.json"]."""
+
+    def __init__(self, app, max_body_bytes: int, max_depth: int = DEFAULT_MAX_JSON_DEPTH,
+                 api_key: Optional[str] = None, body_timeout: Optional[float] = DEFAULT_BODY_TIMEOUT):
         self.app = app
         self.max_body_bytes = int(max_body_bytes)
         self.max_depth = int(max_depth)
+        self.api_key = api_key
+        self.body_timeout = body_timeout
+        self.parser = Parser(self.max_depth)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
+        try:
+            if scope["path"] not in OPEN_PATHS:
+                refused = key_error(scope, self.api_key)
+                if refused is not None:
+                    raise refused
+            if scope.get("method") != "POST":
+                return await self.app(scope, receive, send)
+            body = await read_body(receive, scope, self.max_body_bytes, self.body_timeout, "--max-body-bytes")
+            if body is None:
                 return
-            b = msg.get("body", b"")
-            size += len(b)
-            if size > self.max_body_bytes:
-                return await _answer(send, 413, _error(
-                    f"request body larger than {self.max_body_bytes} bytes (--max-body-bytes)",
-                    code="body_too_large"))
-            chunks.append(b)
-            if not msg.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        why = self._check(body)
-        if why is not None:
-            return await _answer(send, 400, _error(why, code="invalid_body"))
+            if body.strip():
+                scope[SCOPE_JSON] = await self.parser.parse(body)
+                # the body is JSON whatever the client called it (curl -d says form-urlencoded)
+                scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"] + [
+                    (b"content-type", b"application/json")]
+        except Refusal as r:
+            return await answer(send, r.status, r.body())
         replayed = False
 
         async def replay():
@@ -80,20 +238,22 @@ class BodyGuard:
 
         await self.app(scope, replay, send)
 
-    def _check(self, body: bytes) -> Optional[str]:
-        if not body.strip():
-            return None
-        try:
-            obj = json.loads(body)
-        except RecursionError:
-            return f"the JSON body is nested deeper than {self.max_depth} levels"
-        except (ValueError, UnicodeDecodeError):
-            return None         # FastAPI reports malformed JSON with its position
-        return body_problem(obj, self.max_depth)
+
+class _ParsedRequest(Request):
+    """A Request whose json() is the body BodyGuard already parsed."""
+
+    async def json(self) -> Any:
+        if SCOPE_JSON in self.scope:
+            return self.scope[SCOPE_JSON]
+        return await super().json()
 
 
-async def _answer(send, status: int, data: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
+class JsonRoute(APIRoute):
+    """FastAPI route class that reads the body BodyGuard parsed instead of parsing it again."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            return await handler(_ParsedRequest(request.scope, request.receive))
+        return route

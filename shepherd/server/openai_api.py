@@ -41,10 +41,14 @@ from shepherd.server import tools
 from shepherd.server.chat_api import ChatRoutes
 from shepherd.server.common import APIError, TokenStrings, error_response, validation_message
 from shepherd.server.completions_api import CompletionRoutes
-from shepherd.server.guard import BodyGuard
+from shepherd.server.grammar_check import GrammarCheck
+from shepherd.server.guard import BodyGuard, JsonRoute
+from shepherd.server.limits import Limits
 from shepherd.server.protocol import ChatCompletionRequest, CompletionRequest
+from shepherd.server.responses_api import ResponsesRequest, ResponsesRoutes
 from shepherd.server.structured import SpecError, requested_spec
 from shepherd.server.tokenize_api import add_tokenize_routes
+from shepherd.server.workpool import WorkPool
 
 logger = logging.getLogger("shepherd.server")
 
@@ -66,17 +70,13 @@ class ApiContext:
         self.takes_tools = tools.template_takes_tools(getattr(self.tok, "chat_template", None))
         self.tokstr = TokenStrings(self.tok)
         self.ctx_len = engine.max_model_len
-        self._grammar = None
+        self.limits = Limits.resolve(cfg, min(engine.max_model_len, engine.kv_capacity), self.tok)
+        self.work = WorkPool()
+        self.grammars = GrammarCheck(self.tok, self.limits.grammar_timeout, self.limits.max_grammar_bytes)
 
     # ------------------------------------------------------------------ checks
-    def check(self, request: Request, body) -> None:
-        """API key, then the model name."""
-        key = self.cfg.api_key
-        if key:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or token.strip() != key:
-                raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                               "invalid_request_error", code="invalid_api_key")
+    def check(self, body) -> None:
+        """The model name (the key was checked at the door, before the body was read)."""
         model = getattr(body, "model", None)
         if model is not None and model not in self.aliases:
             raise APIError(400, f"The model `{model}` does not exist. Available: {self.served_name}.",
@@ -91,12 +91,15 @@ class ApiContext:
                                     f"than the server ever admits ({name} {limit}); split it",
                                param="n", code="request_too_large")
 
+    def too_long(self, tokens: int, param: str) -> APIError:
+        cap = min(self.ctx_len, self.engine.kv_capacity)
+        return APIError(400, f"This model's maximum context length is {cap} tokens. However, your prompt has "
+                             f"{tokens} tokens; please shorten it.", param=param, code="context_length_exceeded")
+
     def resolve_max_tokens(self, prompt_len: int, requested: Optional[int], default: Optional[int]) -> int:
         ctx_len, cap = self.ctx_len, self.engine.kv_capacity
         if context_error(prompt_len, min(ctx_len, cap)) is not None:     # the one rule (request.py)
-            raise APIError(400, f"This model's maximum context length is {min(ctx_len, cap)} tokens. However, "
-                                f"your prompt has {prompt_len} tokens; please shorten it.",
-                           param="messages" if default is None else "prompt", code="context_length_exceeded")
+            raise self.too_long(prompt_len, "messages" if default is None else "prompt")
         if requested is None:
             return max(1, (default if default is not None else min(ctx_len, cap) - prompt_len))
         if prompt_len + requested > ctx_len:
@@ -106,23 +109,52 @@ class ApiContext:
                            param="max_tokens", code="context_length_exceeded")
         return requested
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Tokenize; long texts off the event loop so other requests keep streaming."""
-        if len(text) < 20000:
-            return self.tok.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.tok.encode, text, add_special_tokens)
+    # ------------------------------------------------------------ size-bound work
+    def check_chars(self, chars: int, param: str) -> None:
+        """A text longer than the context could hold, however it tokenizes: refused untokenized."""
+        if chars > self.limits.max_prompt_chars:
+            cap = min(self.ctx_len, self.engine.kv_capacity)
+            raise APIError(400, f"This model's maximum context length is {cap} tokens; your {param} has {chars} "
+                                f"characters, more than {cap} tokens of at most "
+                                f"{self.limits.max_prompt_chars // max(cap, 1)} characters each could hold. Please "
+                                "shorten it.", param=param, code="context_length_exceeded")
 
-    def render_chat(self, body) -> str:
-        messages, extra = tools.render_messages(body, self.takes_tools)
+    def _encode_bounded(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Tokenize; a long text is first probed by a prefix, so a text far over the context is
+        refused after one context's worth of work (a prefix never has fewer tokens than it
+        contributes to the whole, give or take the token it cuts)."""
+        cap = min(self.ctx_len, self.engine.kv_capacity)
+        probe = 8 * cap
+        if len(text) > 2 * probe:
+            n = len(self.tok.encode(text[:probe], add_special_tokens=False))
+            if n > cap + 1:
+                raise self.too_long(n, param)
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of a prompt; size-bound: refused by length first, long ones off the event loop."""
+        self.check_chars(len(text), param)
+        return await self.work.run(self._encode_bounded, text, add_special_tokens, param, cost=len(text))
+
+    def _render(self, messages, add_generation_prompt: bool, extra: dict) -> str:
         try:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                **extra)
+            return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
+    async def render_chat(self, body) -> str:
+        chars = sum(len(m.text()) for m in body.messages)
+        self.check_chars(chars, "messages")
+        messages, extra = tools.render_messages(body, self.takes_tools)
+        return await self.work.run(self._render, messages, body.add_generation_prompt, extra, cost=chars)
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self.work.run(self.tok.decode, ids, False, cost=len(ids))
+
     # --------------------------------------------------------------- sampling
     async def grammar(self, body, tool_spec=None) -> Optional[tuple[str, str]]:
-        """The request's grammar spec, compiled once here so a bad one is a 400 before queueing."""
+        """The request's grammar spec, compiled once (in a worker, on a budget) so that a bad or
+        too costly one is a 400 before queueing."""
         try:
             spec = requested_spec(body)
         except SpecError as e:
@@ -134,24 +166,31 @@ class ApiContext:
             spec = tool_spec
         if spec is None:
             return None
-        from shepherd.model.grammar import GrammarCompiler, GrammarError
-        if self._grammar is None:
-            self._grammar = GrammarCompiler(self.tok)
-        try:
-            await asyncio.to_thread(self._grammar.compile, spec)
-        except GrammarError as e:
-            raise APIError(400, f"cannot enforce the requested {spec[0]}: {e}", param="response_format",
-                           code="invalid_grammar") from None
+        await self.grammars.check(spec, "tools" if tool_spec is not None else "response_format")
         return spec
 
-    def logit_bias(self, body) -> Optional[dict[int, float]]:
+    async def logit_bias(self, body) -> Optional[dict[int, float]]:
+        """The request's logit_bias with int keys; refused by size first, a large one checked off the loop."""
         if not body.logit_bias:
             return None
-        bias = {int(k): float(v) for k, v in body.logit_bias.items()}
-        bad = [t for t in bias if not 0 <= t < self.tok.vocab_size]
-        if bad:
-            raise APIError(400, f"logit_bias token id {bad[0]} is out of range [0, {self.tok.vocab_size})",
-                           param="logit_bias")
+        if len(body.logit_bias) > self.limits.max_logit_bias:
+            raise APIError(400, f"logit_bias has {len(body.logit_bias)} entries, more than the vocabulary's "
+                                f"{self.tok.vocab_size} tokens", param="logit_bias")
+        return await self.work.run(self._bias, body.logit_bias, cost=10 * len(body.logit_bias))
+
+    def _bias(self, given: dict) -> dict[int, float]:
+        vocab, bias = self.tok.vocab_size, {}
+        for k, v in given.items():
+            try:
+                t = int(k)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {k[:40]!r}", param="logit_bias") from None
+            if not 0 <= t < vocab:
+                raise APIError(400, f"logit_bias token id {t} is out of range [0, {vocab})", param="logit_bias")
+            if not -100.0 <= v <= 100.0:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {v} for token {t}",
+                               param="logit_bias")
+            bias[t] = float(v)
         return bias
 
     def params(self, body, max_tokens: int, logprobs: Optional[int], seed: Optional[int],
@@ -171,10 +210,9 @@ class ApiContext:
             include_stop_str_in_output=bool(body.include_stop_str_in_output), grammar=grammar)
 
     def jobs(self, body, prompts: list[list[int]], max_tokens: list[int], logprobs: Optional[int],
-             grammar) -> list:
+             grammar, bias) -> list:
         """(prompt ids, SamplingParams) per choice: every prompt n times, seeds counted up."""
         self.check_admissible(len(prompts) * body.n)
-        bias = self.logit_bias(body)
         out = []
         for pi, ids in enumerate(prompts):
             for _ in range(body.n):
@@ -216,17 +254,26 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        if server_cfg.warm_grammar_worker:
+            ctx.grammars.start()
         try:
             yield
         finally:
+            ctx.grammars.stop()
+            ctx.work.close()
             await engine.stop()
 
     app = FastAPI(title="shepherd", lifespan=lifespan)
+    app.router.route_class = JsonRoute
     app.state.engine = engine
     app.state.served_model_name = ctx.served_name
-    app.add_middleware(BodyGuard, max_body_bytes=server_cfg.max_body_bytes, max_depth=server_cfg.max_json_depth)
+    app.state.limits = ctx.limits
+    lim = ctx.limits
+    app.add_middleware(BodyGuard, max_body_bytes=lim.max_body_bytes, max_depth=lim.max_json_depth,
+                       api_key=server_cfg.api_key, body_timeout=lim.body_timeout)
     _install_error_handlers(app)
     completions, chat = CompletionRoutes(ctx), ChatRoutes(ctx)
+    responses = ResponsesRoutes(ctx, chat)
 
     @app.get("/health")
     async def health():
@@ -239,22 +286,35 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": ctx.served_name, "object": "model", "created": int(time.time()), "owned_by": "shepherd",
+                "root": str(engine.cfg.model or ctx.served_name), "parent": None, "max_model_len": ctx.ctx_len}
+
     @app.get("/v1/models")
-    async def models(request: Request):
-        ctx.check(request, None)
-        return {"object": "list", "data": [{
-            "id": ctx.served_name, "object": "model", "created": int(time.time()), "owned_by": "shepherd",
-            "root": str(engine.cfg.model or ctx.served_name), "parent": None, "max_model_len": ctx.ctx_len}]}
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id not in ctx.aliases:
+            raise APIError(404, f"The model `{model_id}` does not exist. Available: {ctx.served_name}.",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/completions")
     async def create_completion(request: Request, body: CompletionRequest):
-        ctx.check(request, body)
+        ctx.check(body)
         return await completions.handle(request, body, f"cmpl-{uuid.uuid4().hex}")
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request, body: ChatCompletionRequest):
-        ctx.check(request, body)
+        ctx.check(body)
         return await chat.handle(request, body, f"chatcmpl-{uuid.uuid4().hex}")
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request, body: ResponsesRequest):
+        ctx.check(body)
+        return await responses.handle(request, body)
 
     add_tokenize_routes(app, ctx)
     return app

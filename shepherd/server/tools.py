@@ -13,17 +13,18 @@ tool_choice:
     named     the output is constrained to the named tool's arguments
 Parsers: "hermes" (<tool_call>{"name":..., "arguments":...}</tool_call>, text
 outside the tags is content) and "json" (the whole output is one call object
-or a list of them).
+or a list of them); both run incrementally (tool_stream.py), so calls stream
+as deltas while they are generated.
 """
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any, Optional
 
+from shepherd.server.tool_stream import ToolCallScanner
+
 PARSERS = ("hermes", "json")
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 def template_takes_tools(chat_template: Optional[str]) -> bool:
@@ -128,47 +129,21 @@ def _call(name: str, args: Any) -> dict:
             "function": {"name": name, "arguments": args}}
 
 
-def _as_calls(obj: Any, names: set) -> Optional[list[dict]]:
-    items = obj if isinstance(obj, list) else [obj]
-    calls = []
-    for it in items:
-        if not isinstance(it, dict) or it.get("name") not in names:
-            return None
-        calls.append(_call(it["name"], it.get("arguments", it.get("parameters", {}))))
-    return calls or None
+def scanner(body, parser: str) -> ToolCallScanner:
+    """The scanner that finds this request's tool calls in its text (auto / required)."""
+    framing = "json" if choice_mode(body) == "required" else parser
+    return ToolCallScanner({t.function.name for t in body.tools or ()}, framing, body.parallel_tool_calls)
 
 
 def parse_output(text: str, body, parser: str) -> tuple[Optional[str], list[dict]]:
-    """(content, tool_calls) of one choice's text."""
+    """(content, tool_calls) of one choice's whole text; the same scanner the stream uses, so a
+    streamed answer reassembles to this one."""
     mode = choice_mode(body)
-    names = {t.function.name for t in body.tools or ()}
     if mode == "named":
         return None, [_call(body.tool_choice.function.name, text.strip() or "{}")]
-    if mode == "required":
-        try:
-            calls = _as_calls(json.loads(text), names)
-        except ValueError:
-            calls = None
-        return (None, calls) if calls else (text, [])
     if mode == "none":
         return text, []
-    if parser == "json":
-        try:
-            calls = _as_calls(json.loads(text.strip()), names)
-        except ValueError:
-            calls = None
-        return (None, calls) if calls else (text, [])
-    calls = []
-    for m in _HERMES.finditer(text):
-        try:
-            found = _as_calls(json.loads(m.group(1)), names)
-        except ValueError:
-            found = None
-        if found:
-            calls.extend(found)
-    if not calls:
-        return text, []
-    if not body.parallel_tool_calls:
-        calls = calls[:1]
-    content = _HERMES.sub("", text).strip()
-    return content or None, calls
+    scan = scanner(body, parser)
+    scan.feed(text)
+    scan.finish()
+    return scan.content, [_call(name, args) for name, args in scan.tool_calls()]

@@ -1,0 +1,134 @@
+"""How many OpenMP threads the engine core uses, decided again as the machine's load changes.
+
+Measured on this 2-core machine (benchmarks/threads_contention.py, docs/SERVING.md
+"Threads on a shared machine"): with one thread per core and libgomp's default
+spinning, a 32-token request took 0.32 s alone and 29.9 s beside one busy
+process: a thread waiting at a barrier spins on its core while the partner it
+waits for sits on the run queue behind the other process, at every one of the
+hundreds of barriers a step has. Sleeping instead of spinning
+(OMP_WAIT_POLICY=passive) survives the load but makes every step pay to wake
+the team (0.51 s alone); one thread never waits for a partner (0.59 s beside
+one or two busy processes) but leaves a core idle on a quiet machine.
+
+So, unless --num-threads fixes the count, the core keeps one thread per core
+while it has the cores, and drops to one thread while it does not:
+
+  - every `window` seconds it reads how long its own threads (the main thread
+    and OpenMP's workers, not its Python helpers) waited on a run queue
+    against how long they ran (/proc/self/task/*/schedstat); a wait share
+    above `contended` in two windows in a row means someone else holds the
+    cores: one thread;
+  - at one thread, when its CPUs were idle for at least `free` of one CPU's
+    time in two windows in a row, the cores are back: all threads again.
+
+Measured wait shares: 7-8 % beside one busy process when the kernel placed
+it well (the request then took 1.7x its quiet time at two threads), 39-52 %
+beside two (one thread: 1.6x instead of 2.9x). The openai client of 64 local
+streams keeps a busy server at 14-17 %, below `contended` (35 %): there
+spinning threads still win (docs/BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+log = logging.getLogger("shepherd.engine")
+
+
+def thread_times(exclude: set) -> Optional[tuple[int, int]]:
+    """(ns run, ns waited on a run queue), summed over this process's threads but `exclude`;
+    None where the kernel does not say (no schedstat)."""
+    run = wait = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if int(tid) in exclude:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                r, w, _ = f.read().split()
+        except (OSError, ValueError):
+            continue            # the thread ended meanwhile
+        run, wait = run + int(r), wait + int(w)
+    return run, wait
+
+
+def cpu_idle(cpus: set) -> Optional[tuple[int, int]]:
+    """(idle, total) jiffies of `cpus` since boot (/proc/stat)."""
+    idle = total = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if not line.startswith("cpu") or line[3] == " ":
+                    continue
+                name, *vals = line.split()
+                if int(name[3:]) in cpus:
+                    nums = [int(v) for v in vals[:8]]
+                    idle, total = idle + nums[3] + nums[4], total + sum(nums)
+    except (OSError, ValueError, IndexError):
+        return None
+    return idle, total
+
+
+class ThreadGovernor:
+    """Call `tick()` after every engine step (cheap: it looks at the clock, and at /proc once a
+    window); it calls `set_threads(n)` when the count should change."""
+
+    def __init__(self, max_threads: int, set_threads: Callable[[int], None], window: float = 0.5,
+                 contended: float = 0.35, free: float = 0.5, clock: Callable[[], float] = time.monotonic):
+        self.max_threads, self.set_threads = max_threads, set_threads
+        self.window, self.contended, self.free, self.clock = window, contended, free, clock
+        self.threads = max_threads
+        self.cpus = os.sched_getaffinity(0)
+        self._last = self.clock()
+        self._times = self._sample_times()
+        self._idle = cpu_idle(self.cpus)
+        self._streak = 0
+        self.last_wait_share: Optional[float] = None     # for logs and tests
+
+    @staticmethod
+    def _sample_times() -> Optional[tuple[int, int]]:
+        main = threading.main_thread()
+        helpers = {t.native_id for t in threading.enumerate() if t is not main and t.native_id}
+        return thread_times(helpers)
+
+    def tick(self) -> None:
+        if self.max_threads < 2:
+            return
+        now = self.clock()
+        if now - self._last < self.window:
+            return
+        self._last = now
+        times, idle = self._sample_times(), cpu_idle(self.cpus)
+        if times is None or idle is None or self._times is None or self._idle is None:
+            return
+        d_run, d_wait = times[0] - self._times[0], times[1] - self._times[1]
+        d_idle, d_total = idle[0] - self._idle[0], idle[1] - self._idle[1]
+        self._times, self._idle = times, idle
+        if d_run + d_wait <= 0 or d_total <= 0:
+            return
+        share = d_wait / (d_run + d_wait)
+        self.last_wait_share = share
+        idle_cpus = len(self.cpus) * d_idle / d_total
+        log.debug("engine threads %d: run-queue wait %.1f%%, %.2f CPUs idle", self.threads, 100 * share, idle_cpus)
+        self.decide(share, idle_cpus)
+
+    def decide(self, wait_share: float, idle_cpus: float) -> None:
+        """One window's figures: the share of time our threads waited for a CPU, and how many of
+        our CPUs stood idle on average."""
+        move = wait_share > self.contended if self.threads > 1 else idle_cpus >= self.free
+        self._streak = self._streak + 1 if move else 0
+        if self._streak < 2:
+            return
+        self._streak = 0
+        new = 1 if self.threads > 1 else self.max_threads
+        log.info("engine threads %d -> %d (%s: run-queue wait %.0f%% of our threads' time, %.1f CPUs idle)",
+                 self.threads, new, "the cores are shared" if new == 1 else "the cores are free again",
+                 100 * wait_share, idle_cpus)
+        self.threads = new
+        self.set_threads(new)

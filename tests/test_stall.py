@@ -1,0 +1,212 @@
+"""No request can stall the others (issue 31), a small version of benchmarks/stall_attacks.py.
+
+Real `shepherd serve` processes (simulated executor, real tokenizer, so the
+HTTP side does all its real work) and a real `shepherd gateway` over two of
+them. For each attack, an innocent client streams a completion and polls
+/health while several copies of the attack arrive at once; the same client
+first measures both with no attack, in the same test. Bounds: every attacker
+gets 400, 413 or 429; /health p99 stays under 0.5 s; the innocent stream's
+longest gap stays under twice its no-attack figure plus 0.3 s of slack for a
+shared 2-core machine (before issue 31 these attacks stalled both for seconds
+to tens of seconds). The window ends when every attacker has its answer; the
+test never sleeps to synchronise.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from shepherd.bench import loadgen
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gateway_fakes import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPEAT = 4
+GAP_SLACK = 0.3
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+# name -> (path, body): each sized past one of the limits of docs/SERVING.md "Input limits"
+ATTACKS = {
+    "3 MB prompt (413 before reading)": ("/v1/completions", _json({"prompt": "hello world " * 250_000})),
+    "900k-character prompt (400 untokenized)": ("/v1/completions", _json({"prompt": "hi " * 300_000})),
+    "900k-character chat message": ("/v1/chat/completions",
+                                    _json({"messages": [{"role": "user", "content": "hi " * 300_000}]})),
+    "logit_bias of 60k entries": ("/v1/completions", _json({"prompt": "hi", "logit_bias": {
+        str(i): 1.0 for i in range(60_000)}})),
+    "guided_choice of 10k choices": ("/v1/completions", _json({"prompt": "hi", "max_tokens": 4, "guided_choice": [
+        f"choice number {i}" for i in range(10_000)]})),
+    "enum of 5,000 values (compile over budget)": ("/v1/chat/completions", _json({
+        "messages": [{"role": "user", "content": "pick"}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": {
+            "type": "object", "properties": {"v": {"enum": [f"value-{i}-of-the-list" for i in range(5000)]}}}}}})),
+    "/detokenize of 150k tokens": ("/detokenize", _json({"tokens": [i % 49152 for i in range(150_000)]})),
+    "/tokenize of 900k characters": ("/tokenize", _json({"prompt": "abc " * 225_000})),
+}
+
+
+def _start(args: list, log_path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "shepherd"] + args, cwd=ROOT, env=env,
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("stall")
+    procs, urls = [], []
+    try:
+        for i in range(2):
+            port = free_port()
+            procs.append(_start(["serve", "--executor", "sim", "--port", str(port), "--log-level", "warning",
+                                 "--grammar-timeout", "1", "--max-total-tokens", "16384", "--body-timeout", "3"], logs / f"r{i}.log"))
+            urls.append(f"http://127.0.0.1:{port}")
+        gport = free_port()
+        procs.append(_start(["gateway", "--port", str(gport), "--backend", urls[0], "--backend", urls[1],
+                             "--health-interval", "0.2", "--fail-threshold", "2", "--policy", "round-robin"],
+                            logs / "gateway.log"))
+        for url, p in zip(urls, procs):
+            loadgen.wait_healthy(url, p, timeout=240, what=f"replica {url}")
+        gurl = f"http://127.0.0.1:{gport}"
+        loadgen.wait_healthy(gurl, procs[-1], timeout=60, what="gateway")
+        yield {"replica": urls[0], "gateway": gurl, "logs": logs}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+class Innocent:
+    """A streaming client and a /health poller, each in a thread, recording while `on`."""
+
+    def __init__(self, url: str):
+        self.url, self.stop = url, threading.Event()
+        self.chunks: list[tuple[int, float]] = []      # (stream no, arrival)
+        self.health: list[tuple[float, float]] = []    # (sent, latency)
+        self.threads = [threading.Thread(target=self._stream, daemon=True),
+                        threading.Thread(target=self._poll, daemon=True)]
+
+    def _stream(self):
+        body = {"prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        k = 0
+        with httpx.Client(timeout=60) as c:
+            while not self.stop.is_set():
+                with c.stream("POST", self.url + "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            self.chunks.append((k, time.perf_counter()))
+                        if self.stop.is_set():
+                            break
+                k += 1
+
+    def _poll(self):
+        with httpx.Client(timeout=60) as c:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                c.get(self.url + "/health")
+                self.health.append((t0, time.perf_counter() - t0))
+                self.stop.wait(0.02)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        deadline = time.time() + 60
+        while len(self.chunks) < 10:                    # the stream is flowing
+            assert time.time() < deadline, "the innocent stream never started"
+            time.sleep(0.005)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+    def figures(self, t0: float, t1: float) -> tuple[float, float]:
+        """(/health p99, longest gap between two chunks of one stream) over [t0, t1]."""
+        lat = sorted(d for t, d in self.health if t0 <= t <= t1 or t < t0 <= t + d)
+        p99 = lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))] if lat else 0.0
+        ch = list(self.chunks)
+        gap = max((b - a for (k0, a), (k1, b) in zip(ch, ch[1:]) if k0 == k1 and b >= t0 and a <= t1),
+                  default=0.0)
+        return p99, gap
+
+
+def post(url: str, path: str, body: bytes) -> int:
+    try:
+        return httpx.post(url + path, content=body, headers={"content-type": "application/json"},
+                          timeout=120).status_code
+    except httpx.HTTPError as e:       # refused before the body was all sent: still an answer
+        return 413 if isinstance(e, (httpx.WriteError, httpx.RemoteProtocolError)) else -1
+
+
+def measure(url: str, attack) -> tuple[list, float, float]:
+    with Innocent(url) as inn:
+        t0 = time.perf_counter()
+        if attack is None:
+            n = len(inn.chunks)
+            while len(inn.chunks) < n + 150:           # ~150 tokens with nothing else going on
+                time.sleep(0.01)
+            statuses = []
+        else:
+            with cf.ThreadPoolExecutor(REPEAT) as ex:
+                statuses = list(ex.map(lambda _: post(url, *attack), range(REPEAT)))
+        t1 = time.perf_counter()
+        n = len(inn.chunks)
+        while len(inn.chunks) < n + 2:                 # the gap that spans the window's end
+            time.sleep(0.005)
+        p99, gap = inn.figures(t0, t1)
+    return statuses, p99, gap
+
+
+@pytest.mark.parametrize("target", ["replica", "gateway"])
+def test_no_attack_stalls_health_or_an_innocent_stream(stack, target):
+    url = stack[target]
+    _, base_p99, base_gap = measure(url, None)
+    report, failed = [f"{target}: no attack: /health p99 {base_p99:.3f} s, longest gap {base_gap:.3f} s"], []
+    for name, attack in ATTACKS.items():
+        statuses, p99, gap = measure(url, attack)
+        report.append(f"{name}: {statuses}, /health p99 {p99:.3f} s, longest gap {gap:.3f} s")
+        if not all(s in (400, 413, 429) for s in statuses) or p99 >= 0.5 or gap >= 2 * base_gap + GAP_SLACK:
+            failed.append(report[-1])
+    print("\n".join(report))
+    assert not failed, "\n".join(report)
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_slow_body_times_out_and_others_go_on(stack):
+    """A body that trickles in gets 408 once --body-timeout passes; meanwhile others are served."""
+    url = stack["replica"]
+    port = int(url.rsplit(":", 1)[1])
+    socks = []
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", port), timeout=60)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+        socks.append(s)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+    assert r.status_code == 200
+    for s in socks:
+        head = s.recv(4096)            # blocks until the server answers: --body-timeout 3 s
+        assert head.startswith(b"HTTP/1.1 408"), head[:80]
+        s.close()
