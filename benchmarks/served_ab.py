@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from _openai_client import fixed_concurrency, questions  # noqa: E402
-from shepherd.bench.loadgen import free_port, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
 
 SERVED_NAME = "smollm2-135m"
 
@@ -42,16 +40,6 @@ def start(checkout: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
            "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, cwd=checkout, start_new_session=True, stdout=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def measure(url: str, c: int, max_tokens: int) -> float:
@@ -92,7 +80,7 @@ def main() -> int:
                           f"{tok_s:8.1f} tok/s", file=sys.stderr, flush=True)
     finally:
         for proc, _ in servers.values():
-            stop(proc)
+            stop_server(proc)
     print(f"A = {names['A']}\nB = {names['B']}\n{args.rounds} rounds (ABBA), {args.max_tokens} output tokens, "
           f"openai client\n")
     print("| streams | A tok/s (median) | A range | B tok/s (median) | B range | B / A |")

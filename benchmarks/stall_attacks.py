@@ -24,8 +24,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +31,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from shepherd.bench.loadgen import free_port, stop_server  # noqa: E402
 
 MARK_BEGIN, MARK_END = "<!-- stall-attacks:begin -->", "<!-- stall-attacks:end -->"
 INNOCENT_PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -66,26 +66,10 @@ def attacks() -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(cmd: list[str], log_path: str, root: str = ROOT) -> subprocess.Popen:
     """`python -m shepherd ...` from `root`'s checkout (another checkout measures a before)."""
     log = open(log_path, "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
-
-
-def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def wait_healthy(url: str, procs: list, timeout: float = 300.0) -> None:
@@ -269,7 +253,7 @@ def main() -> None:
     finally:
         pool.terminate()
         for p in reversed(procs):
-            stop(p)
+            stop_server(p)
     block = table(rows, args.repeat, args.target)
     print("\n" + block)
     if args.write:

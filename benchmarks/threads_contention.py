@@ -32,6 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
+
 MARK_BEGIN, MARK_END = "<!-- threads-contention:begin -->", "<!-- threads-contention:end -->"
 DEFAULT_VARIANTS = [
     "default=",
@@ -46,13 +48,6 @@ def hog() -> None:
     x = 0
     while True:
         x += 1
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_variant(text: str) -> tuple[str, list[str], dict]:
@@ -88,7 +83,6 @@ async def sequential(url: str, n: int, max_tokens: int) -> float:
 
 
 def measure(args, variant: str) -> dict:
-    from shepherd.bench.loadgen import wait_healthy
     from _openai_client import fixed_concurrency, questions
     name, extra, env = parse_variant(variant)
     port = free_port()
@@ -118,11 +112,7 @@ def measure(args, variant: str) -> dict:
                                             max_tokens=64, extra_body={"ignore_eos": True}))
         out["tok_s_64"] = res["tok_s"]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
     return out
 
 

@@ -85,6 +85,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(proc) -> None:
+    """SIGTERM the process group of a server this process started (start_new_session=True),
+    SIGKILL after 30 s; returns once it has exited."""
+    import os
+    import signal
+    import subprocess
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def wait_healthy(url: str, proc=None, timeout: float = 600.0, what: str = "the server") -> None:
     """Poll GET url/health until it answers 200; raise if `proc` (a Popen) exits first or
     `timeout` seconds pass, so a server that dies at start-up fails fast with its exit code."""
