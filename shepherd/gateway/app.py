@@ -113,10 +113,11 @@ class Gateway:
         if self._started:
             return
         c = self.cfg
+        # the gateway's own calls (the /v1/models fan-out, KV routing's /tokenize) carry the backend key
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=c.connect_timeout, read=c.read_timeout,
                                   write=c.write_timeout, pool=c.pool_timeout),
-            trust_env=False, follow_redirects=False)
+            headers=dict(self._backend_auth or ()), trust_env=False, follow_redirects=False)
         self.upstream = Http1Pool(connect_timeout=c.connect_timeout, read_timeout=c.read_timeout,
                                   max_idle_per_host=c.max_keepalive)
         await self.pool.start()
