@@ -129,8 +129,11 @@ def build_app(opts: RayServeOptions, serve_args: "list[str] | argparse.Namespace
         max_queued_requests=opts.max_queued_requests or args.max_queue,
         request_router_config=_router_config(opts), health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=opts.health_check_timeout_s, graceful_shutdown_timeout_s=10.0, **_scaling(opts))
+    # the replicas' --max-body-bytes, unless it is theirs to derive from the context (None): then the
+    # ingress's own cap, and each replica's door still applies its own
     ingress_cfg = IngressConfig(**{**vars(opts.ingress), "deployment": opts.replica_name,
-                                   "api_key": srv_cfg.api_key, "max_body_bytes": srv_cfg.max_body_bytes})
+                                   "api_key": srv_cfg.api_key, "body_timeout": srv_cfg.body_timeout,
+                                   "max_body_bytes": srv_cfg.max_body_bytes or IngressConfig.max_body_bytes})
     ingress = serve.deployment(serve.ingress()(ShepherdIngress)).options(
         name=opts.ingress_name, num_replicas=opts.ingress_replicas,
         ray_actor_options={"num_cpus": opts.ingress_num_cpus}, max_ongoing_requests=100_000)
