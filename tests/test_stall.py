@@ -6,7 +6,7 @@ them. For each attack, an innocent client streams a completion and polls
 /health while several copies of the attack arrive at once; the same client
 first measures both with no attack, in the same test. Bounds: every attacker
 gets 400, 413 or 429; /health p99 stays under 0.5 s; the innocent stream's
-longest gap stays under twice its no-attack figure plus 0.3 s of slack for a
+longest gap stays under twice its no-attack figure plus 0.5 s of slack for a
 shared 2-core machine (before issue 31 these attacks stalled both for seconds
 to tens of seconds). The window ends when every attacker has its answer; the
 test never sleeps to synchronise.
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPEAT = 4
-GAP_SLACK = 0.3
+GAP_SLACK = 0.5
 
 
 def _json(obj) -> bytes:
