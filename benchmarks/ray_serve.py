@@ -2,14 +2,16 @@
 and requests in flight through a replica kill. One local Ray instance, every figure from the
 official openai client over HTTP.
 
-    python benchmarks/ray_serve.py --docs                 # all three parts, table into docs/DEPLOY.md
-    python benchmarks/ray_serve.py --parts routing        # or overhead, kill (comma-separated)
+    python benchmarks/ray_serve.py --docs                 # all three parts, tables into docs/DEPLOY.md
+    python benchmarks/ray_serve.py --parts routing --docs # or overhead, kill (comma-separated); the
+                                                          # other parts' tables in the docs stay
 
 1. Routing quality (prefix-heavy). 4 replicas of `shepherd serve --executor sim` (the simulated
    executor: the real scheduler, radix prefix cache and tokenizer; step times from its cost model,
-   waited out on the wall clock), each with a KV pool of --kv-tokens that holds about a quarter of
-   the workload's system prompts. --groups tenants, each with its own ~1,000-token system prompt;
-   --requests requests, each a random tenant's prompt plus its own question, streamed,
+   waited out on the wall clock), each with a KV pool of --kv-tokens (6,144): room for its share
+   of the tenants' system prompts when a router keeps each tenant on one replica (16 / 4 = 4 of
+   ~1,000 tokens each, plus the requests' own tokens), far too little for all 16. --groups
+   tenants, each with its own ~1,000-token system prompt; --requests requests, each a random tenant's prompt plus its own question, streamed,
    --concurrency in flight. Four rows, each on freshly started replicas (cold caches):
      - shepherd's cache-aware policy as Ray Serve's request router (`shepherd ray-serve`);
      - `shepherd gateway --policy cache-aware` on the same kind of replicas, deployed by Ray
@@ -305,9 +307,11 @@ async def _kill_run(url: str, inflight: int) -> dict:
 
 
 # ------------------------------------------------------------------ report
-def table(a, routing, overhead, kill) -> str:
-    out = []
+def tables(a, routing, overhead, kill) -> dict:
+    """{part: its markdown table}, for the parts that ran."""
+    parts = {}
     if routing:
+        out = []
         out.append(f"Routing quality: {a.replicas} replicas (`--executor sim`, {a.kv_tokens:,}-token KV pool each), "
                    f"{a.groups} tenants with ~1,000-token system prompts, {a.requests} streamed requests, "
                    f"{a.concurrency} in flight, 16 output tokens each; fresh replicas per row.\n")
@@ -317,16 +321,18 @@ def table(a, routing, overhead, kill) -> str:
         for label, r in routing:
             out.append(f"| {label} | {r['hit']:.1%} | {r['hit'] / gw:.2f} | {r['ttft_p50'] * 1e3:.0f} | "
                        f"{r['ttft_p99'] * 1e3:.0f} | {r['req_s']:.1f} | {r['max_mean']:.2f} |")
-        out.append("")
+        parts["routing"] = out
     if overhead:
+        out = []
         out.append("Overhead: one replica (`--executor sim`), streamed chat with the openai client, "
                    f"{a.overhead_tokens} output tokens, medians of {a.rounds} alternating rounds.\n")
         out.append("| streams | TTFT p50 direct `shepherd serve` ms | TTFT p50 through Ray Serve ms | added ms |\n"
                    "|---:|---:|---:|---:|")
         for c, v in overhead.items():
             out.append(f"| {c} | {v['direct'] * 1e3:.1f} | {v['ray'] * 1e3:.1f} | {(v['ray'] - v['direct']) * 1e3:+.1f} |")
-        out.append("")
+        parts["overhead"] = out
     if kill:
+        out = []
         k = kill
         out.append(f"Failure: {k['inflight']} requests in flight on 2 replicas ({k['plain']} unstreamed, "
                    f"{k['streams']} streamed, 300 output tokens each); the replica holding {k['victim_in_flight']} "
@@ -336,24 +342,29 @@ def table(a, routing, overhead, kill) -> str:
         rep = f"{k['replaced_s']:.1f} s" if k["replaced_s"] is not None else "not within 120 s"
         out.append(f"| {k['plain_lost']} of {k['plain']} | {k['streams_on_victim']} | {k['stream_errors']} | "
                    f"{k['stream_errors_elsewhere']} | {k['retries']} | {rep} |")
-        out.append("")
-    return "\n".join(out) + "\n"
+        parts["kill"] = out
+    return {k: "\n".join(v) + "\n" for k, v in parts.items()}
 
 
-def write_docs(text: str, mark: str = "ray-serve-bench") -> None:
+def write_docs(texts: dict) -> None:
+    """Each part's table into its own block of docs/DEPLOY.md (<!-- ray-serve-PART -->); the
+    parts that did not run keep what they had."""
     path = os.path.join(ROOT, "docs", "DEPLOY.md")
     doc = open(path).read()
-    pat = re.compile(rf"<!-- {mark} -->.*?<!-- /{mark} -->", re.S)
-    if not pat.search(doc):
-        raise SystemExit(f"docs/DEPLOY.md has no <!-- {mark} --> block")
-    open(path, "w").write(pat.sub(lambda m: f"<!-- {mark} -->\n{text}<!-- /{mark} -->", doc))
+    for part, text in texts.items():
+        mark = f"ray-serve-{part}"
+        pat = re.compile(rf"<!-- {mark} -->.*?<!-- /{mark} -->", re.S)
+        if not pat.search(doc):
+            raise SystemExit(f"docs/DEPLOY.md has no <!-- {mark} --> block")
+        doc = pat.sub(lambda m: f"<!-- {mark} -->\n{text}<!-- /{mark} -->", doc)
+    open(path, "w").write(doc)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="routing,overhead,kill")
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--kv-tokens", type=int, default=4096)
+    p.add_argument("--kv-tokens", type=int, default=6144)
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--requests", type=int, default=480)
     p.add_argument("--concurrency", type=int, default=16)
@@ -380,15 +391,15 @@ def main() -> int:
         from ray import serve
         serve.shutdown()
         ray.shutdown()
-    text = table(a, routing, overhead, kill)
-    text += (f"\n`python benchmarks/ray_serve.py --docs` (ray {ray.__version__}), {time.monotonic() - t0:.0f} s, "
-             f"{time.strftime('%Y-%m-%d %H:%M')}.\n")
-    print(text)
+    cmd = " ".join(["python benchmarks/ray_serve.py", *sys.argv[1:]])
+    texts = {part: text + f"\n`{cmd}` (ray {ray.__version__}), {time.strftime('%Y-%m-%d %H:%M')}.\n"
+             for part, text in tables(a, routing, overhead, kill).items()}
+    print("\n".join(texts.values()), f"({time.monotonic() - t0:.0f} s)")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"routing": routing, "overhead": overhead, "kill": kill, "machine": machine}, f, indent=1)
     if a.docs:
-        write_docs(text)
+        write_docs(texts)
     return 0
 
 

@@ -23,7 +23,7 @@ from ray.serve._private.request_router.common import PendingRequest  # noqa: E40
 from shepherd.deploy.ray_call import HttpCall, register_router  # noqa: E402
 from shepherd.deploy.ray_ingress import IngressApp, IngressConfig  # noqa: E402
 from shepherd.deploy.ray_router import ShepherdRouter  # noqa: E402
-from shepherd.routing import ReplicaState, RouteRequest, make_policy  # noqa: E402
+from shepherd.routing import POLICY_NAMES, ReplicaState, RouteRequest, make_policy  # noqa: E402
 
 DEP = DeploymentID(name="ShepherdReplica", app_name="t")
 
@@ -156,22 +156,35 @@ def test_router_forgets_a_removed_replica():
     asyncio.run(go())
 
 
-def test_router_decides_as_the_bare_policy_does():
-    """The adapter adds nothing to the decision: the same policy, the same states, the same choices."""
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_router_decides_as_the_bare_policy_does(policy):
+    """The adapter adds nothing to the decision, for every policy: the same states, the same in-flight
+    counts, the same output charged at the end (vtc-basic), the same sessions, the same choices."""
     async def go():
         reps = [FakeReplica(u) for u in "abcd"]
-        router = _router("prefix-aware", reps)
-        bare = make_policy("prefix-aware")
-        states = [ReplicaState(index=i, url=u) for i, u in enumerate("abcd")]
-        texts = [f"tenant {i % 5} " * 30 + f"turn {i}" for i in range(40)]
-        for i, text in enumerate(texts):
-            call = HttpCall("POST", "/v1/completions", route=_route(text))
+        router = _router(policy, reps)
+        bare = make_policy(policy)
+        states = {u: ReplicaState(index=i, url=u) for i, u in enumerate("abcd")}
+        live = []                       # (call, bare's route, bare's state), two in flight at a time
+        for i in range(40):
+            text = f"tenant {i % 5} " * 30 + f"turn {i}"
+            mine, theirs = (RouteRequest(text=text, user=f"user{i % 3}", session=f"s{i % 4}",
+                                         input_tokens=len(text) // 4) for _ in range(2))
+            call = HttpCall("POST", "/v1/completions", route=mine)
             got = (await router.choose_replicas(reps, _pending(call)))[0][0]
-            want = bare.choose(_route(text), states)
+            want = bare.choose(theirs, list(states.values()))
             want.in_flight += 1
-            bare.on_dispatch(_route(text), want)
+            bare.on_dispatch(theirs, want)
             assert got.replica_id.unique_id == want.url, f"request {i}"
+            live.append((call, theirs, want))
+            if len(live) > 2:
+                done, route, st = live.pop(0)
+                out = 600 if route.user == "user0" else 5          # one heavy user (vtc-basic sees it)
+                router.finished(done, out)
+                st.in_flight -= 1
+                bare.on_finish(route, st, out)
         assert router.policy.reasons == bare.reasons
+        assert {k: s.in_flight for k, s in router.states.items()} == {k: s.in_flight for k, s in states.items()}
     asyncio.run(go())
 
 
