@@ -12,8 +12,10 @@ official openai client over HTTP.
    of the tenants' system prompts when a router keeps each tenant on one replica (16 / 4 = 4 of
    ~1,000 tokens each, plus the requests' own tokens), far too little for all 16. --groups
    tenants, each with its own ~1,000-token system prompt; --requests requests, each a random tenant's prompt plus its own question, streamed,
-   --concurrency in flight. Four rows, each on freshly started replicas (cold caches):
+   --concurrency in flight. Five rows, each on freshly started replicas (cold caches):
      - shepherd's cache-aware policy as Ray Serve's request router (`shepherd ray-serve`);
+     - shepherd's precise-prefix policy as Ray Serve's request router, fed by the replicas' KV
+       events;
      - `shepherd gateway --policy cache-aware` on the same kind of replicas, deployed by Ray
        with --replica-http and reached directly over HTTP;
      - Ray's PrefixCacheAffinityRouter (Ray Serve LLM's prefix router), behind the same ingress;
@@ -164,6 +166,8 @@ def part_routing(a, base: str) -> list:
     rows = []
     # the gateway row's ingress only lists the replicas' own URLs (its /metrics): no traffic goes through it
     for label, router, via_gateway in (("shepherd cache-aware, Ray Serve router", "cache-aware", False),
+                                       ("shepherd precise-prefix (KV events), Ray Serve router", "precise-prefix",
+                                        False),
                                        ("shepherd gateway (cache-aware), same replicas", "least-request", True),
                                        ("Ray PrefixCacheAffinityRouter", "ray-prefix-cache", False),
                                        ("Ray power-of-two (default)", "ray-power-of-two", False)):

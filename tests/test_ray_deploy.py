@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 
 import httpx
 import pytest
 
 pytest.importorskip("ray")
+sys.path.insert(0, os.path.dirname(__file__))
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID  # noqa: E402
 from ray.serve._private.request_router.common import PendingRequest  # noqa: E402
@@ -154,6 +157,57 @@ def test_router_forgets_a_removed_replica():
         tiers = await router.choose_replicas([keep], _pending(HttpCall("POST", "/", route=_route(text + "2"))))
         assert tiers[0] == [keep]
     asyncio.run(go())
+
+
+def test_router_routes_precise_prefix_on_the_replicas_kv_events():
+    """precise-prefix on Ray: the router subscribes to the KV-event stream each replica names in its
+    routing stats, feeds the policy's index from it, sends a prompt where its blocks are cached,
+    follows an eviction, and unsubscribes a replica that leaves."""
+    from kv_fakes import FakePublisher, loopback, wait_until
+
+    from shepherd.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    def stored(tokens):
+        hashes = [hash(("engine", i, tuple(tokens))) & 0xFFFFFFFF for i in range(len(tokens) // 16)]
+        return BlockStored(hashes, None, list(tokens[:16 * len(hashes)]), 16, None, "GPU", None)
+
+    async def go(pubs):
+        reps = [FakeReplica(u, kv_events=loopback(pub.endpoint), kv_replay=loopback(pub.replay_endpoint))
+                for u, pub in zip("ab", pubs)] + [FakeReplica("c")]            # c publishes nothing
+        router = _router("precise-prefix", reps)
+        router.snapshot()                          # reads the stats, as /metrics and every decision do
+        p, q = list(range(1000, 1100)), list(range(5000, 5100))                 # 6 full blocks each
+        pubs[0].publish([AllBlocksCleared(), stored(p)])
+        pubs[1].publish([AllBlocksCleared(), stored(q)])
+        index = router.policy.kv_index
+        await asyncio.to_thread(wait_until, lambda: index.blocks("a") == 6 and index.blocks("b") == 6,
+                                what="both streams indexed")
+
+        async def route(tokens) -> str:
+            call = HttpCall("POST", "/v1/completions", route=RouteRequest(text="-", token_ids=tokens))
+            got = (await router.choose_replicas(reps, _pending(call)))[0][0].replica_id.unique_id
+            router.finished(call, 1)
+            return got
+        for _ in range(3):
+            assert await route(p + [7, 8, 9]) == "a" and await route(q) == "b"
+        assert router.policy.reasons["hit"] == 6
+        assert {k: v["state"] for k, v in router.snapshot()[2].items()} == {"a": "complete", "b": "complete"}
+        pubs[0].publish([BlockRemoved(stored(p).block_hashes, "GPU")])          # a evicts p
+        await asyncio.to_thread(wait_until, lambda: index.blocks("a") == 0, what="the eviction")
+        await route(p)
+        assert router.policy.reasons["hit"] == 6
+        router.update_replicas(reps[1:])
+        assert "a" not in router.kv_streams
+        await asyncio.to_thread(wait_until, lambda: "a" not in router.kv.status(),
+                                what="the stream of a removed replica to close")
+        router.kv.close()
+
+    pubs = [FakePublisher(), FakePublisher()]
+    try:
+        asyncio.run(go(pubs))
+    finally:
+        for pub in pubs:
+            pub.close()
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

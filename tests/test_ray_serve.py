@@ -1,6 +1,7 @@
 """shepherd on a three-node Ray cluster on this machine (ray.cluster_utils.Cluster), served
-through Ray Serve and used with the official openai client: a replica killed mid-load, a node
-removed, scaling up under load with 429s past Ray's queue. The replicas run the simulated
+through Ray Serve and used with the official openai client: precise-prefix routing from the
+replicas' KV events, a replica killed mid-load, a node removed, scaling up under load with 429s
+past Ray's queue. The replicas run the simulated
 executor (a real engine, scheduler, prefix cache, tokenizer and HTTP app; no weights) on one
 thread each. The tests share one cluster and one application and run in file order.
 
@@ -25,6 +26,9 @@ APP = "shepherd-test"
 REPLICAS = "ShepherdReplica"
 SERVE_ARGS = ["--executor", "sim", "--num-threads", "1", "--max-total-tokens", "16384", "--log-level", "warning"]
 LONG = {"ignore_eos": True}           # the simulated model would stop at once otherwise
+# the ingress next to Serve's proxy on the head node: the node test removes a worker node, and an
+# ingress there would die with it (Ray restarts it, but a request already in it is lost)
+INGRESS_ON_HEAD = {"shepherd_ingress": 0.1}
 
 
 def free_port() -> int:
@@ -93,7 +97,7 @@ def env():
     # ports picked here, never Ray's defaults (other jobs on this machine may use them)
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=2, gcs_server_port=free_port(), include_dashboard=False, dashboard_port=free_port(),
-        ray_client_server_port=free_port(), object_store_memory=80 << 20,
+        ray_client_server_port=free_port(), object_store_memory=80 << 20, resources={"shepherd_ingress": 1},
         _system_config={"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                         "health_check_initial_delay_ms": 0}))
     workers = [cluster.add_node(num_cpus=2, resources={"shepherd_replica": 2}, object_store_memory=80 << 20)
@@ -104,7 +108,8 @@ def env():
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         e = Env(cluster, workers, f"http://127.0.0.1:{port}")
         deploy(e, APP, RayServeOptions(
-            replicas=2, num_cpus_per_replica=0.5, replica_resources={"shepherd_replica": 1}, router="cache-aware",
+            replicas=2, num_cpus_per_replica=0.5, replica_resources={"shepherd_replica": 1}, router="precise-prefix",
+            ingress_resources=INGRESS_ON_HEAD,
             max_ongoing_requests=32, max_queued_requests=64, routing_stats_period_s=0.5, health_check_period_s=1.0,
             ingress=IngressConfig(read_timeout=30.0)))
         wait_until(lambda: len(e.replicas()) == 2, 60, "the ingress to see both replicas")
@@ -136,7 +141,10 @@ def test_serves_the_openai_api_with_shepherds_router(env):
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
             stream_options={"include_usage": True})]
         assert chunks[-1].usage.completion_tokens == 6
-        # one long shared prefix: cache-aware keeps it on one replica, whose prefix cache then hits
+        # one long shared prefix. precise-prefix reads the replicas' own KV events (published by each
+        # engine on its node, subscribed to by the ingress's router) and the prompt's token ids (the
+        # ingress tokenizes): once the first answer's blocks are in the router's index, every later
+        # request goes to the replica that holds them, whose prefix cache then hits
         prefix = "You are a careful assistant. " * 40
         served, cached = set(), []
         for i in range(6):
@@ -144,11 +152,24 @@ def test_serves_the_openai_api_with_shepherds_router(env):
                                                                     max_tokens=2)
             served.add(raw.headers["x-shepherd-replica"])
             cached.append(raw.parse().usage.prompt_tokens_details.cached_tokens)
+            if i == 0:
+                await asyncio.to_thread(wait_until, lambda: _indexed(env, raw.headers["x-shepherd-replica"]), 30,
+                                        "the first prompt's blocks in the router's index, from KV events")
         assert len(served) == 1 and min(cached[1:]) > 100
         await client.close()
     asyncio.run(go())
     assert httpx.get(env.url + "/health", timeout=10).status_code == 200
     assert env.counter("shepherd_ray_routing_decisions_total") >= 8
+    assert env.samples("shepherd_ray_routing_decisions_total") and all(
+        lab["policy"] == "precise-prefix" for lab, _ in env.samples("shepherd_ray_routing_decisions_total"))
+    usable = {lab["replica"] for lab, v in env.samples("shepherd_ray_replica_kv_events_usable") if v == 1.0}
+    assert len(usable) == 2, usable
+
+
+def _indexed(env, short: str) -> bool:
+    """The router's index holds blocks of the replica whose short id is `short`."""
+    return any(lab["replica"].rsplit("#", 1)[-1] == short and v > 0
+               for lab, v in env.samples("shepherd_ray_replica_kv_index_blocks"))
 
 
 def test_replica_killed_mid_load(env):
@@ -247,6 +268,7 @@ def test_scales_up_under_load_and_answers_429_past_rays_queue(env):
         replicas=1, min_replicas=1, max_replicas=2, target_ongoing_requests=8, upscale_delay_s=0.0,
         autoscaling_extra={"look_back_period_s": 2.0, "metrics_interval_s": 0.5},
         num_cpus_per_replica=0.5, replica_resources={"shepherd_replica": 1}, router="least-request",
+        ingress_resources=INGRESS_ON_HEAD,
         max_ongoing_requests=16, max_queued_requests=8, routing_stats_period_s=0.5,
         ingress=IngressConfig(read_timeout=60.0)))
     wait_until(lambda: env.running() == 1, 60, "the scaling deployment's first replica")

@@ -29,6 +29,11 @@ The gateway's rules, with a handle in place of HTTP (docs/ROUTING.md):
   past it the answer is 429 with Retry-After at once;
 - every wait on a replica is bounded by `read_timeout`; a client that goes
   away cancels the replica's call, whose app then aborts the engine request.
+
+With `tokenizer` set (the policy reads KV events: precise-prefix) the ingress
+gives each routed request its prompt token ids, tokenized here as the
+replicas tokenize it (the gateway's PromptTokens with a local tokenizer); a
+prompt that does not tokenize is routed without them, never refused.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from shepherd.deploy.ray_replica import REPLICA_HEADER
 from shepherd.deploy.ray_call import HttpCall, live_router
 from shepherd.gateway.intake import (error_body, json_500_on_error, read_json_object, route_request_from, send_json,
                                      send_metrics, split_headers, usage_tokens, watch_disconnect)
+from shepherd.gateway.kv_routing import PromptTokens
 from shepherd.server.guard import DEFAULT_BODY_TIMEOUT, Parser, Refusal, key_error, read_body
 
 log = logging.getLogger("shepherd.deploy")
@@ -69,6 +75,8 @@ class IngressConfig:
     read_timeout: float = 120.0              # longest wait for a replica's next message
     health_timeout: float = 5.0
     retry_after_s: int = 1                   # Retry-After of the ingress's own 429 / 503
+    tokenizer: Optional[str] = None          # prompt token ids for the policy: the replicas' model path, or
+                                             # "default" (the default model); None: the policy does not read them
 
 
 @dataclass
@@ -89,6 +97,7 @@ class IngressApp:
         self.cfg = cfg or IngressConfig()
         self.metrics = IngressMetrics(self, registry)
         self.parser = Parser()
+        self.tokens = PromptTokens(self.cfg.tokenizer) if self.cfg.tokenizer else None
         self.in_flight = 0
         self._warmup: Optional[asyncio.Future] = None
 
@@ -129,6 +138,8 @@ class IngressApp:
                     if got is not None:
                         body, payload = got
                         route = route_request_from(payload, ROUTED_PATHS[path], xh, time.monotonic())
+                        if self.tokens is not None and route.token_ids is None:
+                            route.token_ids = await self.tokens.ids(payload, ROUTED_PATHS[path] == "chat", (), None)
                 else:
                     got = body = await read_body(receive, scope, cfg.max_body_bytes, cfg.body_timeout,
                                                  "ingress body cap")
@@ -321,7 +332,7 @@ class _RouterCollector:
         router = live_router(self.deployment)
         if router is None:
             return []
-        reps, reasons = router.snapshot()
+        reps, reasons, kv = router.snapshot()
         fams = {name: GaugeMetricFamily(f"shepherd_ray_replica_{name}", doc, labels=["replica"])
                 for name, doc in (("in_flight", "Requests this ingress has on the replica"),
                                   ("healthy", "1 while the replica's engine is alive"),
@@ -340,11 +351,20 @@ class _RouterCollector:
                       "prefix_hit_tokens": stats.get("prefix_hit_tokens", 0)}
             for name, v in values.items():
                 fams[name].add_metric([st.name], float(v))
+        usable = GaugeMetricFamily("shepherd_ray_replica_kv_events_usable", "1 while the replica's KV-event "
+                                   "index is used for routing (precise-prefix)", labels=["replica", "state"])
+        blocks = GaugeMetricFamily("shepherd_ray_replica_kv_index_blocks", "Blocks the router's index holds for "
+                                   "the replica, from its KV events", labels=["replica"])
+        names = {st.key: st.name for st, _ in reps}
+        for key, got in kv.items():
+            name = names.get(key, key)
+            usable.add_metric([name, got["state"]], 1.0 if got["state"] in ("complete", "partial") else 0.0)
+            blocks.add_metric([name], float(got["blocks"]))
         decisions = CounterMetricFamily("shepherd_ray_routing_decisions", "Routing decisions by policy and reason",
                                         labels=["policy", "reason"])
         for reason, n in reasons.items():
             decisions.add_metric([router.policy_name, reason or "-"], n)
-        return list(fams.values()) + [info, decisions]
+        return list(fams.values()) + [info, decisions] + ([usable, blocks] if kv else [])
 
 
 class ShepherdIngress:

@@ -12,16 +12,21 @@ counters) for the router, and `check_health()` (the engine-core process is
 alive) to replace a replica whose core died. With `http=True` the replica
 also serves its app on a port of its own node (its URL is in the routing
 stats), so a `shepherd gateway` or a benchmark can reach the same replicas
-directly.
+directly. With `kv_events=True` (the router's policy reads KV events:
+precise-prefix) its engine publishes them (vLLM's ZMQ stream, docs/ROUTING.md)
+on two free ports of its node, named in the routing stats, where the router
+subscribes.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import time
 from typing import AsyncIterator, Optional
 
+from shepherd.bench.loadgen import free_port
 from shepherd.deploy.ray_call import HttpCall
 from shepherd.server import serve_cli
 
@@ -39,30 +44,47 @@ def parse_serve_args(argv: "list[str] | argparse.Namespace") -> argparse.Namespa
     return p.parse_args(list(argv))
 
 
+def with_kv_events(args: argparse.Namespace, host: str) -> tuple[argparse.Namespace, dict]:
+    """The replica's flags with KV events published on two free ports of this node (the user's
+    own --kv-events-config fields kept, its endpoints replaced: replicas may share a node), and
+    where a subscriber finds them."""
+    pub, replay = free_port(), free_port()
+    cfg = json.loads(args.kv_events_config) if args.kv_events_config else {}
+    cfg.update(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
+               replay_endpoint=f"tcp://*:{replay}")
+    out = argparse.Namespace(**{**vars(args), "kv_events_config": json.dumps(cfg)})
+    return out, {"kv_events": f"tcp://{host}:{pub}", "kv_replay": f"tcp://{host}:{replay}",
+                 "kv_topic": cfg.get("topic", "")}
+
+
 class ShepherdReplica:
     """The Ray Serve deployment class (ray_serve.py wraps it with `serve.deployment`)."""
 
-    async def __init__(self, serve_args: "list[str] | argparse.Namespace", http: bool = False) -> None:
+    async def __init__(self, serve_args: "list[str] | argparse.Namespace", http: bool = False,
+                       kv_events: bool = False) -> None:
         from ray import serve
         from ray.serve.exceptions import RayServeException
 
         from shepherd.server.openai_api import build_app
 
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            import ray
+            self.node_id, host = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        except RayServeException:
+            # outside Ray Serve (tests build the class directly); never touch Ray's runtime
+            # then: asking it for a node id would start a local Ray instance
+            self.replica_id, self.node_id, host = "local", "", "127.0.0.1"
         args = parse_serve_args(serve_args)
+        self.kv_events: dict = {}
+        if kv_events:
+            args, self.kv_events = with_kv_events(args, host)
         eng_cfg, srv_cfg = serve_cli.build_configs(args)
         # built on this (Ray's user-code) thread, which lives as long as the replica: the
         # engine-core process dies with the thread that started it (PR_SET_PDEATHSIG)
         self.engine = serve_cli.build_engine(args, eng_cfg)
         self.app = build_app(self.engine, srv_cfg)
         await self.engine.start()
-        try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
-            import ray
-            self.node_id = ray.get_runtime_context().get_node_id()
-        except RayServeException:
-            # outside Ray Serve (tests build the class directly); never touch Ray's runtime
-            # then: asking it for a node id would start a local Ray instance
-            self.replica_id, self.node_id = "local", ""
         self.url: Optional[str] = None
         self._http = None
         if http:
@@ -90,7 +112,8 @@ class ShepherdReplica:
         return {"running": st.num_running, "waiting": st.num_waiting + st.num_swapped,
                 "kv_usage": st.kv_used / st.kv_capacity if st.kv_capacity else 0.0,
                 "prefix_hit_tokens": st.prefix_hit_tokens, "prefix_query_tokens": st.prefix_query_tokens,
-                "alive": self.engine.alive, "url": self.url, "node": self.node_id, "at": time.time()}
+                "alive": self.engine.alive, "url": self.url, "node": self.node_id, "at": time.time(),
+                **self.kv_events}
 
     def check_health(self) -> None:
         if not self.engine.alive:

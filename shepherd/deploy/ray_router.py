@@ -15,6 +15,12 @@ The policy is the same object the gateway and the simulator build
   immediate, as the gateway counts it.
 - the handle call's argument (`HttpCall`, built by the ingress) -> the
   `RouteRequest` the policy reads (the gateway's own `route_request_from`).
+- a policy that reads KV events (precise-prefix, or weighted with a precise
+  weight: `policy.kv_index`): each replica publishes its engine's KV events
+  (ray_replica.py) and names the endpoints in its routing stats; this router
+  subscribes (the gateway's KVEventSubscriber, feeding the policy's index) as
+  it first sees them and unsubscribes when the replica leaves. The ingress
+  gives each request its prompt token ids.
 - the policy's one choice -> ranked tiers `[[chosen], [every other replica]]`:
   Ray takes the first tier whose replica has a free slot
   (`max_ongoing_requests`), so a full chosen replica falls back to the least
@@ -43,6 +49,7 @@ from typing import Any, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from shepherd.deploy.ray_call import HttpCall, call_of, register_router
+from shepherd.kv_events.subscriber import KVEventSubscriber, Source
 from shepherd.routing import NoReplicaAvailable, ReplicaState, make_policy
 
 
@@ -54,6 +61,9 @@ class ShepherdRouter(RequestRouter):
         self.policy = make_policy(policy, **(knobs or {}))
         self.states: dict[str, ReplicaState] = {}
         self._next_index = 0
+        index = self.policy.kv_index
+        self.kv = KVEventSubscriber(index) if index is not None else None
+        self.kv_streams: dict[str, str] = {}         # replica key -> the KV-event endpoint subscribed to
         # choose runs on Ray's router loop, `finished` on the ingress's loop, /metrics on either
         self.lock = threading.Lock()
         register_router(self._deployment_id.name, self)
@@ -72,16 +82,25 @@ class ShepherdRouter(RequestRouter):
         st.kv_usage = float(stats.get("kv_usage", 0.0))
         st.healthy = bool(stats.get("alive", True))
         st.metrics_at = stats.get("at")
+        if self.kv is not None and key not in self.kv_streams and stats.get("kv_events"):
+            self.kv_streams[key] = stats["kv_events"]
+            self.kv.add(Source(key, stats["kv_events"], stats.get("kv_replay"), stats.get("kv_topic") or ""))
+            self.kv.start()
         return st
 
-    def snapshot(self) -> tuple[list[tuple[ReplicaState, dict]], dict]:
-        """(each replica's state with its last routing stats, decisions by reason), for /metrics."""
+    def snapshot(self) -> tuple[list[tuple[ReplicaState, dict]], dict, dict]:
+        """(each replica's state with its last routing stats, decisions by reason, each KV-event
+        stream's {state, blocks} by replica key), for /metrics."""
         with self.lock:
             reps = []
             for r in list(self.curr_replicas.values()):
                 st = self._state(r)
                 reps.append((ReplicaState(**vars(st)), dict(r.routing_stats or {})))
-            return reps, dict(self.policy.reasons)
+            kv = {}
+            if self.kv is not None:
+                kv = {key: {"state": got["state"], "blocks": self.policy.kv_index.blocks(key)}
+                      for key, got in self.kv.status().items()}
+            return reps, dict(self.policy.reasons), kv
 
     # ------------------------------------------------------------------ Ray's hooks
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -151,3 +170,5 @@ class ShepherdRouter(RequestRouter):
             for key in [k for k in self.states if k not in live]:
                 del self.states[key]
                 self.policy.forget(key)
+                if self.kv_streams.pop(key, None) is not None:
+                    self.kv.remove(key)

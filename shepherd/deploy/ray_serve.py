@@ -56,6 +56,7 @@ class RayServeOptions:
                                                  # default: the replicas' --max-queue
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
+    ingress_resources: dict = field(default_factory=dict)   # Ray resources each ingress replica also needs
     routing_stats_period_s: float = 1.0
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 10.0
@@ -129,15 +130,20 @@ def build_app(opts: RayServeOptions, serve_args: "list[str] | argparse.Namespace
         max_queued_requests=opts.max_queued_requests or args.max_queue,
         request_router_config=_router_config(opts), health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=opts.health_check_timeout_s, graceful_shutdown_timeout_s=10.0, **_scaling(opts))
+    # a policy that reads KV events: the replicas publish them, the ingress tokenizes the prompts
+    kv = opts.router not in RAY_ROUTERS and make_policy(opts.router, **opts.router_knobs).kv_index is not None
     # the replicas' --max-body-bytes, unless it is theirs to derive from the context (None): then the
     # ingress's own cap, and each replica's door still applies its own
     ingress_cfg = IngressConfig(**{**vars(opts.ingress), "deployment": opts.replica_name,
                                    "api_key": srv_cfg.api_key, "body_timeout": srv_cfg.body_timeout,
-                                   "max_body_bytes": srv_cfg.max_body_bytes or IngressConfig.max_body_bytes})
+                                   "max_body_bytes": srv_cfg.max_body_bytes or IngressConfig.max_body_bytes,
+                                   "tokenizer": (args.model or "default") if kv else None})
     ingress = serve.deployment(serve.ingress()(ShepherdIngress)).options(
         name=opts.ingress_name, num_replicas=opts.ingress_replicas,
-        ray_actor_options={"num_cpus": opts.ingress_num_cpus}, max_ongoing_requests=100_000)
-    return ingress.bind(replica.bind(args, opts.replica_http), ingress_cfg)
+        ray_actor_options={"num_cpus": opts.ingress_num_cpus,
+                           **({"resources": dict(opts.ingress_resources)} if opts.ingress_resources else {})},
+        max_ongoing_requests=100_000)
+    return ingress.bind(replica.bind(args, opts.replica_http, kv), ingress_cfg)
 
 
 def deploy(opts: RayServeOptions, serve_args: "list[str] | argparse.Namespace", *, address: str = "local",
