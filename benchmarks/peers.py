@@ -14,6 +14,11 @@ Peers (each server runs alone on the machine, one after another):
   vllm-default           the same without the tuning (only with --with-vllm-default)
   llamacpp               llama-cpp-python[server] on the same GGUF (Q4_1, as shipped), --interrupt_requests
                          False, llama.cpp's extra buffer types off (use_extra_bufts=False, the CLI's --no-repack)
+  llama-server           llama.cpp's own server (built from the source the llama-cpp-python sdist vendors) on the
+                         same GGUF: continuous batching, -np = the workload's concurrency (a server per
+                         concurrency), --threads-http above it, -t 2
+  llama-server-spec      the same with its best speculative setting for this model (LLAMA_SPEC below)
+  shepherd-spec          `shepherd serve --speculative-config '{"method": "ngram"}'` (prompt lookup, its defaults)
   hf                     transformers `generate`, batched, in-process: the library baseline (no server, so
                          only the fixed-concurrency workloads; tok/s = batch x new tokens / wall time)
 
@@ -25,6 +30,11 @@ Workloads (same prompts for every peer: `shepherd bench` builds them from a seed
                first shepherd row's saturated request rate (output tok/s at fixed-64 / mean output length)
   shared-prefix  64 requests, a 1,000-token system prompt shared by all + 32 unique tokens, 64 output
                tokens, 16 in flight
+  openai workloads (--openai-workloads; the official `openai` client, streaming chat, temperature 0, EOS
+  suppressed): free-1 (8 of the openai-C questions one at a time, 128 tokens), copy-1 (8 copy/edit requests
+  one at a time: a ~130-token passage to repeat with one word replaced, 128 tokens: prompt lookup's case),
+  long-1 / long-16 (~1,000-token documents to summarise, 64 tokens, 1 and 16 in flight), json-64 (the
+  openai-64 questions with a json_schema response_format; shepherd rows and vLLM only)
   openai-C     C in 1, 64 (--openai-streams) concurrent streams driven by the official `openai`
                AsyncOpenAI client (benchmarks/_openai_client.py, the same client as throughput.py's served
                column): streaming chat completions of ~40-token prompts, 128 output tokens (ignore_eos, or
@@ -54,13 +64,23 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import _peer_envs as envs  # noqa: E402
-from _openai_client import RssSampler, fixed_concurrency, questions  # noqa: E402
+from _openai_client import (RssSampler, copy_edit, fixed_concurrency, json_schema_format, long_prompts,  # noqa: E402
+                            questions)
 
 SHEPHERD_MODES = ("guaranteed", "peak", "optimistic")
 # shepherd rows beyond the admission modes: name -> extra `shepherd serve` flags
-SHEPHERD_VARIANTS = {"shepherd-int4": ["--quantization", "int4"], "shepherd-w8a8": ["--quantization", "w8a8"]}
+SHEPHERD_VARIANTS = {"shepherd-int4": ["--quantization", "int4"], "shepherd-w8a8": ["--quantization", "w8a8"],
+                     "shepherd-spec": ["--speculative-config", '{"method": "ngram"}']}
 ALL_PEERS = [f"shepherd-{m}" for m in SHEPHERD_MODES] + list(SHEPHERD_VARIANTS) + ["shepherd-gateway", "vllm", "vllm-default",
-                                                          "llamacpp", "hf"]
+                                                          "llamacpp", "llama-server", "llama-server-spec", "hf"]
+# llama-server's best speculative setting for this model on the copy/edit workload (a sweep of its
+# --spec-type options: docs/SPECULATIVE.md); a draft model would need a smaller one than the 135M target
+LLAMA_SPEC = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8"]
+# the openai-client workloads beyond openai-C: name -> (prompts, concurrency, requests, max_tokens, json)
+OPENAI_WORKLOADS = {"free-1": ("free", 1, 8, 128, False), "copy-1": ("copy", 1, 8, 128, False),
+                    "long-1": ("long", 1, 4, 64, False), "long-16": ("long", 16, 32, 64, False),
+                    "json-64": ("free", 64, 64, 128, True)}
+PER_CONCURRENCY = ("llama-server", "llama-server-spec")     # -np must equal the concurrency: a server each
 DEFAULT_PEERS = [p for p in ALL_PEERS if p != "vllm-default"]
 FIXED = (1, 8, 32, 64)
 
@@ -199,9 +219,19 @@ def hf_folder(cache: Path) -> Path:
     return out
 
 
-def make_server(peer: str, cache: Path, logdir: Path, shepherd_args: list | None = None) -> Server:
+def make_server(peer: str, cache: Path, logdir: Path, shepherd_args: list | None = None, concurrency: int = 64,
+                llama_spec: list | None = None) -> Server:
     py = sys.executable
     port = free_port()
+    if peer in PER_CONCURRENCY:
+        binary = envs.llama_server_bin(cache)
+        np_ = max(1, concurrency)
+        cmd = [binary, "-m", gguf_path(), "--alias", SERVED_NAME, "--host", "127.0.0.1", "--port", port,
+               "-np", np_, "--threads-http", np_ + 4, "-c", np_ * 1536, "-t", os.cpu_count() or 2,
+               "-tb", os.cpu_count() or 2, "--cont-batching"]
+        if peer == "llama-server-spec":
+            cmd += llama_spec or LLAMA_SPEC
+        return Server(peer, [(cmd, {"LD_LIBRARY_PATH": str(binary.parent)})], port, logdir / f"np{np_}")
     sargs = list(shepherd_args or [])
     if peer in SHEPHERD_VARIANTS:
         return Server(peer, [([py, "-m", "shepherd", "serve", "--port", port, *SHEPHERD_VARIANTS[peer],
@@ -260,25 +290,57 @@ def run_bench(url: str, out: Path, args: list, extra_body: dict, ignore_eos: boo
     return s
 
 
-def run_openai(srv: "Server", concurrency: int, max_tokens: int) -> dict:
-    """The openai-client fixed-C workload against a running peer, with the RSS of its processes."""
+PROMPTS = {"free": questions, "copy": copy_edit, "long": long_prompts}
+
+
+def run_openai(srv: "Server", concurrency: int, max_tokens: int, prompts: str = "free", num_requests: int = 0,
+               json: bool = False) -> dict:
+    """An openai-client workload against a running peer, with the RSS of its processes."""
     import asyncio
     body = dict(srv.extra_body)
     if srv.ignore_eos:
         body["ignore_eos"] = True
+    n = num_requests or concurrency
+    before = spec_counters(srv.url)
     samplers = [RssSampler(p.pid) for p in srv.procs]
     for r in samplers:
         r.__enter__()
     try:
-        res = asyncio.run(fixed_concurrency(srv.url, SERVED_NAME, questions(concurrency), concurrency, concurrency,
-                                            max_tokens, body))
+        res = asyncio.run(fixed_concurrency(srv.url, SERVED_NAME, PROMPTS[prompts](n), concurrency, n,
+                                            max_tokens, body, response_format=json_schema_format() if json else None))
     finally:
         for r in samplers:
             r.__exit__(None, None, None)
-    return {"output_tok_s": res["tok_s"], "ttft_p50": res["ttft_p50"], "tpot_p50": res["tpot_p50"],
-            "requests": res["requests"], "completed": res["requests"] - res["errors"], "failed": res["errors"],
-            "rss_server_mb": sum(r.peak_root_mb for r in samplers),
-            "rss_workers_mb": sum(r.peak_children_mb for r in samplers)}
+    row = {"output_tok_s": res["tok_s"], "ttft_p50": res["ttft_p50"], "tpot_p50": res["tpot_p50"],
+           "requests": res["requests"], "completed": res["requests"] - res["errors"], "failed": res["errors"],
+           "rss_server_mb": sum(r.peak_root_mb for r in samplers),
+           "rss_workers_mb": sum(r.peak_children_mb for r in samplers)}
+    if res.get("first_error"):
+        row["failures"] = res["first_error"]
+    after = spec_counters(srv.url)
+    if before and after and after[0] > before[0]:
+        row["spec_draft_tokens"] = after[0] - before[0]
+        row["spec_accepted_tokens"] = after[1] - before[1]
+    return row
+
+
+SPEC_METRICS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def spec_counters(url: str) -> tuple[float, float] | None:
+    """A server's speculative-decoding counters from /metrics (vLLM's names; shepherd and vLLM
+    publish them), or None where it has none."""
+    import httpx
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    vals = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in SPEC_METRICS or name.removesuffix("_total") in SPEC_METRICS:
+            vals[name.removesuffix("_total")] = vals.get(name.removesuffix("_total"), 0.0) + float(line.split()[-1])
+    return (vals[SPEC_METRICS[0]], vals[SPEC_METRICS[1]]) if len(vals) == 2 else None
 
 
 def run_hf(cache: Path, outdir: Path, quick: bool) -> dict[str, dict]:
@@ -425,6 +487,14 @@ def render(results: dict) -> str:
                 cells.append("n/a" if not s or s.get("rss_server_mb") is None else
                              f"{s['rss_server_mb']:,.0f} / {s.get('rss_workers_mb', 0):,.0f}")
             lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    spec = [(w, p, s) for w in wl for p in peers for s in [results["peers"][p].get(w) or {}]
+            if s.get("spec_draft_tokens")]
+    if spec:
+        lines += ["", "Speculative decoding, from the server's /metrics during each workload (vLLM's counters):", "",
+                  "| workload | server | draft tokens | accepted | acceptance |", "|---|---|---:|---:|---:|"]
+        for w, p, s in spec:
+            lines.append(f"| {w} | {p} | {s['spec_draft_tokens']:,.0f} | {s['spec_accepted_tokens']:,.0f} | "
+                         f"{s['spec_accepted_tokens'] / s['spec_draft_tokens']:.2f} |")
     r = results.get("ratios")
     if r:
         lines += ["", "Ratios (shepherd = its best admission mode on each workload):", ""]
@@ -456,42 +526,125 @@ def render(results: dict) -> str:
 def ratios(results: dict) -> dict:
     P = results["peers"]
 
-    def best_shepherd(w):
+    def best_shepherd(w, among=None):
         vals = [(P[p][w]["output_tok_s"], p) for p in P if p.startswith("shepherd-") and p != "shepherd-gateway"
-                and P[p].get(w) and P[p][w].get("output_tok_s")]
+                and (among is None or p in among) and P[p].get(w) and P[p][w].get("output_tok_s")]
         return max(vals) if vals else None
 
     def tok(p, w):
         s = P.get(p, {}).get(w)
         return s.get("output_tok_s") if s and not s.get("error") else None
 
+    def verdict(x, target):
+        return f"{x:.2f}x (target {target}x: {'met' if x >= target else 'NOT met'})"
+
     out = {}
-    for w, peers, targets in (("fixed-64", ("vllm", "llamacpp", "hf"), {"vllm": 1.5, "llamacpp": 4.0, "hf": 1.3}),
-                              ("fixed-1", ("vllm", "llamacpp"), {"vllm": 1.5, "llamacpp": 0.8}),
-                              ("openai-64", ("vllm", "llamacpp"), {"vllm": 1.5, "llamacpp": 4.0}),
-                              ("openai-1", ("vllm", "llamacpp"), {"vllm": 1.5, "llamacpp": 1.0})):
-        b = best_shepherd(w)
+    bf16 = [p for p in P if p != "shepherd-int4" and p != "shepherd-w8a8"]      # the issue's rows are bf16
+    for w, peers, targets, among in (
+            ("fixed-64", ("vllm", "llamacpp", "hf"), {"vllm": 1.5, "llamacpp": 4.0, "hf": 1.3}, None),
+            ("fixed-1", ("vllm", "llamacpp"), {"vllm": 1.5, "llamacpp": 0.8}, None),
+            ("openai-64", ("vllm", "llamacpp", "llama-server"), {"vllm": 1.5, "llamacpp": 4.0, "llama-server": 1.5},
+             bf16),
+            ("openai-1", ("vllm", "llamacpp", "llama-server"), {"vllm": 1.5, "llamacpp": 1.0, "llama-server": 1.0},
+             bf16),
+            ("copy-1", ("llama-server", "llama-server-spec"), {"llama-server": 1.3, "llama-server-spec": 1.3},
+             ["shepherd-spec"]),
+            ("free-1", ("llama-server", "llama-server-spec"), {"llama-server": 1.0, "llama-server-spec": 1.0},
+             ["shepherd-spec"]),
+            ("long-16", ("vllm",), {"vllm": 1.5}, bf16),
+            ("long-1", ("vllm",), {"vllm": 1.0}, bf16)):
+        b = best_shepherd(w, among)
         if not b:
             continue
         for p in peers:
             t = tok(p, w)
             if t:
-                x = b[0] / t
-                out[f"{w}: shepherd ({b[1]}) / {p}"] = (f"{x:.2f}x (target {targets[p]}x: "
-                                                        f"{'met' if x >= targets[p] else 'NOT met'})")
+                out[f"{w}: shepherd ({b[1]}) / {p}"] = verdict(b[0] / t, targets[p])
+    for w in ("long-16", "long-1"):
+        b = best_shepherd(w, bf16)
+        v = P.get("vllm", {}).get(w) or {}
+        if b and v.get("ttft_p50") and P[b[1]][w].get("ttft_p50"):
+            mine, theirs = P[b[1]][w]["ttft_p50"], v["ttft_p50"]
+            out[f"{w}: TTFT p50 shepherd ({b[1]}) / vllm"] = (
+                f"{mine * 1e3:,.0f} / {theirs * 1e3:,.0f} ms (target: no worse: {'met' if mine <= theirs else 'NOT met'})")
+    for p in P:
+        if p.startswith("shepherd-") and tok(p, "json-64") and tok(p, "openai-64"):
+            out[f"json-64 / openai-64: {p} (json_schema / unconstrained)"] = verdict(
+                tok(p, "json-64") / tok(p, "openai-64"), 0.85)
     return out
 
 
-def write_doc(doc: Path, body: str) -> None:
-    start, end = "<!-- peers:start -->", "<!-- peers:end -->"
+def write_doc(doc: Path, body: str, section: str = "peers") -> None:
+    start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
     text = doc.read_text() if doc.exists() else "# Benchmarks\n\n"
     block = f"{start}\n{body}{end}"
     if start in text and end in text:
         a, b = text.index(start), text.index(end) + len(end)
         text = text[:a] + block + text[b:]
     else:
-        text = text.rstrip() + "\n\n## shepherd and its peers: measured results\n\n" + block + "\n"
+        title = "shepherd and its peers: measured results" + ("" if section == "peers" else f" ({section})")
+        text = text.rstrip() + f"\n\n## {title}\n\n" + block + "\n"
     doc.write_text(text)
+
+
+def serve_peer(peer: str, srv: Server, wl: list[dict], rows: dict, results: dict, pdir: Path, a, cache: Path,
+               env_ok: dict, want_vllm_bench: bool, poisson_rate, pw):
+    """Start srv, run the workloads wl against it, stop it; returns the poisson rate (set from the
+    first shepherd row's saturated figure when it was not given)."""
+    skipped = results["skipped"]
+    log(f"{peer}: starting ({srv.url})")
+    try:
+        t0 = time.time()
+        srv.start()
+        log(f"{peer}: ready in {time.time() - t0:.0f}s; warm-up")
+        run_bench(srv.url, pdir / "warmup", ["--num-requests", 2, "--input-len", 16, "--output-len", 4],
+                  srv.extra_body, srv.ignore_eos, quiet=True, seed=WARMUP_SEED)
+        for w in wl:
+            if w["kind"] == "openai":
+                log(f"{peer}: {w['name']} (openai client)")
+                rows[w["name"]] = run_openai(srv, w["concurrency"], 16 if a.quick else w["max_tokens"],
+                                             w["prompts"], 2 * w["concurrency"] if a.quick else w["requests"],
+                                             w["json"])
+                continue
+            args = list(w["args"])
+            if w["kind"] == "poisson":
+                if poisson_rate is None:
+                    poisson_rate = 1.0
+                    log("poisson: no saturated shepherd figure yet, rate 1.0 req/s")
+                args += ["--rate", poisson_rate]
+            log(f"{peer}: {w['name']}")
+            s = run_bench(srv.url, pdir / w["name"], args, srv.extra_body, srv.ignore_eos, seed=w["seed"])
+            rows[w["name"]] = {k: s.get(k) for k in ROW_KEYS if k in s} | (
+                {"error": s["error"]} if "error" in s else {})
+            if w["kind"] == "poisson":
+                rows[w["name"]]["rate"] = poisson_rate
+            if (poisson_rate is None and peer.startswith("shepherd-") and w["name"] == f"fixed-{max(FIXED)}"
+                    and s.get("output_tok_s") and pw):
+                mo = mean_output_len(pw["args"])
+                poisson_rate = round(0.7 * s["output_tok_s"] / mo, 2)
+                results["notes"].append(
+                    f"poisson rate {poisson_rate} req/s = 70% of {peer}'s saturated rate "
+                    f"({s['output_tok_s']:.0f} tok/s at 64 streams / {mo:.0f} mean output tokens)")
+                log(f"poisson rate set to {poisson_rate} req/s")
+        if want_vllm_bench and peer.startswith("shepherd-") and "vllm_bench" not in results and env_ok.get("vllm"):
+            log(f"{peer}: vllm bench serve (independent client)")
+            try:
+                vb = run_vllm_bench(cache, srv.url, pdir / "vllm-bench", a.quick)
+                ours_w = "fixed-8" if a.quick else "fixed-32"
+                results["vllm_bench"] = {"target": peer, "result": {k: vb.get(k) for k in (
+                    "completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                    "median_itl_ms", "request_throughput")}, "command": vb["command"],
+                    "ours_workload": ours_w, "ours": rows.get(ours_w)}
+            except Exception as e:
+                results["notes"].append(f"vllm bench serve failed: {str(e)[:400]}")
+                log(f"vllm bench serve failed: {e}")
+    except Exception as e:
+        skipped[peer] = f"failed: {str(e)[:600]}"
+        log(f"{peer} failed: {e}")
+    finally:
+        srv.stop()
+        log(f"{peer}: stopped")
+    return poisson_rate
 
 
 def main() -> int:
@@ -507,11 +660,18 @@ def main() -> int:
                          "--shepherd-arg=16384 to put the admission modes under KV pressure")
     ap.add_argument("--openai-streams", default="1,64",
                     help="concurrencies of the openai-client workload (empty: skip it)")
-    ap.add_argument("--only-openai", action="store_true", help="only the openai-client workload")
+    ap.add_argument("--only-openai", action="store_true", help="only the openai-client workloads")
+    ap.add_argument("--openai-workloads", default=",".join(OPENAI_WORKLOADS),
+                    help=f"openai-client workloads beyond openai-C (empty: none): {', '.join(OPENAI_WORKLOADS)}")
+    ap.add_argument("--llama-spec", default=None,
+                    help="llama-server-spec's speculative flags in place of LLAMA_SPEC (one string, split on spaces)")
     ap.add_argument("--cache", default=str(envs.DEFAULT_CACHE))
     ap.add_argument("--out", default=str(ROOT / "out" / "peers"))
     ap.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--section", default="peers",
+                    help="the doc's section to replace (<!-- NAME:start --> .. <!-- NAME:end -->; added at the end "
+                         "if absent), so that a run of a few workloads keeps the full table of another")
     ap.add_argument("--install-only", action="store_true")
     ap.add_argument("--hf-worker", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -534,7 +694,8 @@ def main() -> int:
         peers = list(DEFAULT_PEERS) + (["vllm-default"] if a.with_vllm_default else [])
 
     skipped: dict[str, str] = {}
-    need_env = {"vllm": "vllm", "vllm-default": "vllm", "llamacpp": "llamacpp", "hf": "hf"}
+    need_env = {"vllm": "vllm", "vllm-default": "vllm", "llamacpp": "llamacpp", "hf": "hf",
+                "llama-server": "llama-server", "llama-server-spec": "llama-server"}
     want_vllm_bench = not a.no_vllm_bench and any(p.startswith("shepherd") for p in peers)
     envs_needed = sorted({need_env[p] for p in peers if p in need_env} | ({"vllm"} if want_vllm_bench else set()))
     env_ok = {}
@@ -551,14 +712,28 @@ def main() -> int:
 
     wl = [] if a.only_openai else workloads(a.quick, azure_trace())
     openai_c = [int(x) for x in a.openai_streams.split(",") if x.strip()]
-    wl += [{"name": f"openai-{c}", "kind": "openai", "concurrency": c} for c in openai_c]
+    wl += [{"name": f"openai-{c}", "kind": "openai", "concurrency": c, "prompts": "free", "requests": c,
+            "max_tokens": 128, "json": False} for c in openai_c]
+    for name in (x.strip() for x in a.openai_workloads.split(",") if x.strip()):
+        if name not in OPENAI_WORKLOADS:
+            ap.error(f"unknown openai workload {name!r}; one of {', '.join(OPENAI_WORKLOADS)}")
+        pr, c, n, mt, js = OPENAI_WORKLOADS[name]
+        # json-64's target is shepherd's own constrained/unconstrained ratio: vLLM beside it, llama-server
+        # (minutes at its 64-stream rate) not
+        wl.append({"name": name, "kind": "openai", "concurrency": c, "prompts": pr, "requests": n,
+                   "max_tokens": mt, "json": js, "servers": ("shepherd-", "vllm") if js else None})
+    llama_spec = a.llama_spec.split() if a.llama_spec else None
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                      "command": "python benchmarks/peers.py" + (" --quick" if a.quick else "")
                                 + (f" --only {a.only}" if a.only else "")
                                 + (" --only-openai" if a.only_openai else "")
                                 + (f" --openai-streams {a.openai_streams}" if a.openai_streams != "1,64" else "")
-                                + "".join(f" --shepherd-arg={x}" for x in a.shepherd_arg),
+                                + (f" --openai-workloads {a.openai_workloads}"
+                                   if a.openai_workloads != ",".join(OPENAI_WORKLOADS) else "")
+                                + (f" --llama-spec '{a.llama_spec}'" if a.llama_spec else "")
+                                + "".join(f" --shepherd-arg={x}" for x in a.shepherd_arg)
+                                + (f" --section {a.section}" if a.section != "peers" else ""),
                      "workloads": [w["name"] for w in wl], "peers": {}, "skipped": skipped, "notes": []}
     try:
         with open("/proc/cpuinfo") as f:
@@ -582,62 +757,24 @@ def main() -> int:
                 skipped[peer] = f"failed: {e}"[:600]
                 log(f"hf failed: {e}")
             continue
-        try:
-            srv = make_server(peer, cache, pdir / "logs", a.shepherd_arg)
-        except Exception as e:
-            skipped[peer] = f"cannot be set up: {e}"
-            continue
-        log(f"{peer}: starting ({srv.url})")
-        try:
-            t0 = time.time()
-            srv.start()
-            log(f"{peer}: ready in {time.time() - t0:.0f}s; warm-up")
-            run_bench(srv.url, pdir / "warmup", ["--num-requests", 2, "--input-len", 16, "--output-len", 4],
-                      srv.extra_body, srv.ignore_eos, quiet=True, seed=WARMUP_SEED)
-            for w in wl:
-                if w["kind"] == "openai":
-                    log(f"{peer}: {w['name']} (openai client)")
-                    rows[w["name"]] = run_openai(srv, w["concurrency"], 16 if a.quick else 128)
-                    continue
-                args = list(w["args"])
-                if w["kind"] == "poisson":
-                    if poisson_rate is None:
-                        poisson_rate = 1.0
-                        log("poisson: no saturated shepherd figure yet, rate 1.0 req/s")
-                    args += ["--rate", poisson_rate]
-                log(f"{peer}: {w['name']}")
-                s = run_bench(srv.url, pdir / w["name"], args, srv.extra_body, srv.ignore_eos, seed=w["seed"])
-                rows[w["name"]] = {k: s.get(k) for k in ROW_KEYS if k in s} | (
-                    {"error": s["error"]} if "error" in s else {})
-                if w["kind"] == "poisson":
-                    rows[w["name"]]["rate"] = poisson_rate
-                if (poisson_rate is None and peer.startswith("shepherd-") and w["name"] == f"fixed-{max(FIXED)}"
-                        and s.get("output_tok_s") and pw):
-                    mo = mean_output_len(pw["args"])
-                    poisson_rate = round(0.7 * s["output_tok_s"] / mo, 2)
-                    results["notes"].append(
-                        f"poisson rate {poisson_rate} req/s = 70% of {peer}'s saturated rate "
-                        f"({s['output_tok_s']:.0f} tok/s at 64 streams / {mo:.0f} mean output tokens)")
-                    log(f"poisson rate set to {poisson_rate} req/s")
-            if want_vllm_bench and peer.startswith("shepherd-") and "vllm_bench" not in results \
-                    and env_ok.get("vllm"):
-                log(f"{peer}: vllm bench serve (independent client)")
-                try:
-                    vb = run_vllm_bench(cache, srv.url, pdir / "vllm-bench", a.quick)
-                    ours_w = "fixed-8" if a.quick else "fixed-32"
-                    results["vllm_bench"] = {"target": peer, "result": {k: vb.get(k) for k in (
-                        "completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
-                        "median_itl_ms", "request_throughput")}, "command": vb["command"],
-                        "ours_workload": ours_w, "ours": rows.get(ours_w)}
-                except Exception as e:
-                    results["notes"].append(f"vllm bench serve failed: {str(e)[:400]}")
-                    log(f"vllm bench serve failed: {e}")
-        except Exception as e:
-            skipped[peer] = f"failed: {str(e)[:600]}"
-            log(f"{peer} failed: {e}")
-        finally:
-            srv.stop()
-            log(f"{peer}: stopped")
+        # llama-server's slots (-np) must equal the concurrency: one server per concurrency, else one
+        groups = {}
+        for w in wl:
+            if w.get("servers") and not peer.startswith(w["servers"]):
+                continue
+            c = w.get("concurrency") or (16 if w["kind"] == "prefix" else 64) if peer in PER_CONCURRENCY else 0
+            groups.setdefault(c, []).append(w)
+        for c, ws in groups.items():
+            try:
+                srv = make_server(peer, cache, pdir / "logs", a.shepherd_arg, concurrency=c or 64,
+                                  llama_spec=llama_spec)
+            except Exception as e:
+                skipped[peer] = f"cannot be set up: {e}"
+                break
+            poisson_rate = serve_peer(peer, srv, ws, rows, results, pdir, a, cache, env_ok, want_vllm_bench,
+                                      poisson_rate, pw)
+            if peer in skipped:
+                break
 
     vers = {}
     try:
@@ -652,6 +789,11 @@ def main() -> int:
         if env_ok.get(e) or (envs.installed(cache, e) and any(need_env.get(p) == e for p in peers)):
             for k, v in envs.versions(cache, e, pk).items():
                 vers[f"{k} ({e})"] = v
+    if any(p in PER_CONCURRENCY for p in peers) and envs.installed(cache, "llama-server"):
+        b = envs.llama_server_bin(cache)
+        r = subprocess.run([str(b), "--version"], capture_output=True, text=True, env={**os.environ,
+                           "LD_LIBRARY_PATH": str(b.parent)})
+        vers["llama-server"] = " ".join((r.stdout + r.stderr).split("\n")[0].split()[1:]) or "?"
     results["versions"] = vers
     results["ratios"] = ratios(results)
     outroot.mkdir(parents=True, exist_ok=True)
@@ -659,7 +801,7 @@ def main() -> int:
     body = render(results)
     print(body)
     if not a.no_doc:
-        write_doc(Path(a.doc), body)
+        write_doc(Path(a.doc), body, a.section)
         log(f"wrote {a.doc}")
     return 0
 
