@@ -134,6 +134,7 @@ async def fixed_concurrency(url: str, model: str, qs: list[str], concurrency: in
     total = 0
     errors = 0
     first_error: list[str] = []
+    retries = 0
     opts = {"stream_options": {"include_usage": True}}   # dropped if the server refuses it
     fmt = {"response_format": response_format} if response_format else {}
 
@@ -160,7 +161,7 @@ async def fixed_concurrency(url: str, model: str, qs: list[str], concurrency: in
                 tpot.append((last - first) / (n - 1))
 
     async def one(i: int) -> None:
-        nonlocal errors, opts
+        nonlocal errors, opts, retries
         async with sem:
             for attempt in (0, 1):
                 try:
@@ -169,6 +170,13 @@ async def fixed_concurrency(url: str, model: str, qs: list[str], concurrency: in
                     if attempt or not opts:
                         break
                     opts = {}    # e.g. a server without stream_options: count the chunks instead
+                except openai.APIConnectionError as e:
+                    # a kept-alive connection the server closed between two requests (llama-server does,
+                    # one stream at a time): once more on a new one, as a client with retries would
+                    if attempt:
+                        first_error.append(f"{type(e).__name__}: {str(e)[:300]}")
+                        break
+                    retries += 1
                 except Exception as e:  # noqa: BLE001 - counted; a benchmark run reports, it does not stop
                     first_error.append(f"{type(e).__name__}: {str(e)[:300]}")
                     break
@@ -180,7 +188,7 @@ async def fixed_concurrency(url: str, model: str, qs: list[str], concurrency: in
     await client.close()
     return {"tok_s": total / wall if wall > 0 else 0.0, "ttft_p50": _p50(ttft), "tpot_p50": _p50(tpot),
             "tokens": total, "wall_s": wall, "errors": errors, "requests": num_requests,
-            "first_error": first_error[0] if first_error else None}
+            "first_error": first_error[0] if first_error else None, "retries": retries}
 
 
 def rss_mb(pid: int) -> float:

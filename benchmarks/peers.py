@@ -33,7 +33,7 @@ Workloads (same prompts for every peer: `shepherd bench` builds them from a seed
   openai workloads (--openai-workloads; the official `openai` client, streaming chat, temperature 0, EOS
   suppressed): free-1 (8 of the openai-C questions one at a time, 128 tokens), copy-1 (8 copy/edit requests
   one at a time: a ~130-token passage to repeat with one word replaced, 128 tokens: prompt lookup's case),
-  long-1 / long-16 (~1,000-token documents to summarise, 64 tokens, 1 and 16 in flight), json-64 (the
+  long-1 / long-16 (4 / 16 ~1,000-token documents to summarise, 64 tokens, 1 and 16 in flight), json-64 (the
   openai-64 questions with a json_schema response_format; shepherd rows and vLLM only)
   openai-C     C in 1, 64 (--openai-streams) concurrent streams driven by the official `openai`
                AsyncOpenAI client (benchmarks/_openai_client.py, the same client as throughput.py's served
@@ -78,7 +78,7 @@ ALL_PEERS = [f"shepherd-{m}" for m in SHEPHERD_MODES] + list(SHEPHERD_VARIANTS) 
 LLAMA_SPEC = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8"]
 # the openai-client workloads beyond openai-C: name -> (prompts, concurrency, requests, max_tokens, json)
 OPENAI_WORKLOADS = {"free-1": ("free", 1, 8, 128, False), "copy-1": ("copy", 1, 8, 128, False),
-                    "long-1": ("long", 1, 4, 64, False), "long-16": ("long", 16, 32, 64, False),
+                    "long-1": ("long", 1, 4, 64, False), "long-16": ("long", 16, 16, 64, False),
                     "json-64": ("free", 64, 64, 128, True)}
 PER_CONCURRENCY = ("llama-server", "llama-server-spec")     # -np must equal the concurrency: a server each
 DEFAULT_PEERS = [p for p in ALL_PEERS if p != "vllm-default"]
@@ -317,6 +317,8 @@ def run_openai(srv: "Server", concurrency: int, max_tokens: int, prompts: str = 
            "rss_workers_mb": sum(r.peak_children_mb for r in samplers)}
     if res.get("first_error"):
         row["failures"] = res["first_error"]
+    if res.get("retries"):
+        row["retries"] = res["retries"]       # connection errors retried once (results.json only)
     after = spec_counters(srv.url)
     if before and after and after[0] > before[0]:
         row["spec_draft_tokens"] = after[0] - before[0]
@@ -728,7 +730,7 @@ def main() -> int:
                      "command": "python benchmarks/peers.py" + (" --quick" if a.quick else "")
                                 + (f" --only {a.only}" if a.only else "")
                                 + (" --only-openai" if a.only_openai else "")
-                                + (f" --openai-streams {a.openai_streams}" if a.openai_streams != "1,64" else "")
+                                + (f" --openai-streams '{a.openai_streams}'" if a.openai_streams != "1,64" else "")
                                 + (f" --openai-workloads {a.openai_workloads}"
                                    if a.openai_workloads != ",".join(OPENAI_WORKLOADS) else "")
                                 + (f" --llama-spec '{a.llama_spec}'" if a.llama_spec else "")
