@@ -42,6 +42,7 @@ from peers import Server, free_port  # noqa: E402
 
 WORDS = ("river stone light cloud market garden bridge window letter music winter forest signal harbor engine "
          "paper story number silver orange morning planet theory voice island machine").split()
+NAME = "smollm2-135m"
 ROUTERS = [("least-request", []), ("cache-aware", []), ("precise-prefix", [])]
 
 
@@ -69,7 +70,8 @@ def start_fleet(a, policy: str, out: Path):
         port, pub, rep = free_port(), free_port(), free_port()
         ev = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
                          "replay_endpoint": f"tcp://*:{rep}"})
-        cmd = [py, "-m", "shepherd", "serve", "--port", port, "--executor", a.executor, "--num-threads", 1,
+        cmd = [py, "-m", "shepherd", "serve", "--port", port, "--served-model-name", NAME, "--executor", a.executor,
+               "--num-threads", 1,
                "--max-total-tokens", a.kv_capacity, "--kv-events-config", ev]
         reps.append(Server(f"replica{i}", [(cmd, {})], port, out / f"replica{i}"))
         specs.append(f"http://127.0.0.1:{port}=tcp://127.0.0.1:{pub},replay=tcp://127.0.0.1:{rep}")
@@ -95,7 +97,7 @@ async def play(a, url: str, systems: list, plan) -> list:
             msgs = [{"role": "system", "content": systems[sysi]}]
             for u, think in zip(users, thinks):
                 msgs.append({"role": "user", "content": u})
-                body = {"model": "m", "messages": msgs, "max_tokens": a.max_tokens, "temperature": 0}
+                body = {"model": NAME, "messages": msgs, "max_tokens": a.max_tokens, "temperature": 0}
                 t1 = time.monotonic()
                 r = await c.post("/v1/chat/completions", json=body)
                 r.raise_for_status()
