@@ -8,8 +8,9 @@ second, each of --turns turns separated by exponential think times; turn 1 start
 with one of --system-prompts shared system prompts; every later turn's prompt is
 the previous prompt, its answer and a new user message, so prompts grow past
 10k tokens. The simulator's answers continue each session's token stream
-(sim/session_tokens.py), so a replica that served turn k holds turn k+1's prefix,
-answer included, until it evicts it. 8 replicas of Llama-3-8B on H100 (roofline
+(bench/traces.py session_stream), so a replica that served turn k holds turn k+1's prefix,
+answer included, until it evicts it. 8 replicas of Llama-3.1-8B (the prompts outgrow
+Llama-3-8B's 8,192-token context, which the simulator enforces) on H100 (roofline
 cost model), each with --kv-capacity tokens of KV so that the caches are under
 pressure.
 
@@ -60,7 +61,7 @@ def run_one(job):
     trace = synthetic(workload(a))
     cfg = SimConfig(replicas=a.replicas, router=name, router_knobs=dict(knobs), kv_capacity=a.kv_capacity,
                     scheduler=SchedulerConfig(max_total_tokens=a.kv_capacity), keep_records=False,
-                    timeseries=False, model="llama-3-8b", gpu="h100")
+                    timeseries=False, model="llama-3.1-8b", gpu="h100")
     t0 = time.perf_counter()
     res = Simulator(cfg).run(trace)
     s = res.summary()
@@ -76,7 +77,7 @@ def table(rows, a) -> str:
     r0 = rows[0]
     head = (f"Synthetic chat sessions ({r0['requests']} requests, {a.turns} turns, {a.system_prompts} shared system "
             f"prompts of {a.system_tokens} tokens, mean prompt {r0['mean_prompt']:,.0f} tokens), {a.replicas} replicas "
-            f"of llama-3-8b on h100 with {a.kv_capacity:,} KV tokens each. Bounds from the trace: one unlimited "
+            f"of llama-3.1-8b on h100 with {a.kv_capacity:,} KV tokens each. Bounds from the trace: one unlimited "
             f"cache {r0['infinite']:.1%}, one LRU cache with the cluster's KV {r0['lru']:.1%}.\n\n")
     lines = ["| router | knobs | prefix hit | of the LRU bound | max/mean req | TTFT p50 ms | TTFT p99 ms | "
              "evicted tokens | decisions |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]

@@ -18,7 +18,7 @@ tokens), chained so that a piece only matches after the same pieces before
 it. A session's piece is kept with the turn's answer too (output - 1 tokens: the
 last one is sampled, never computed), as an engine caches it and as the next
 turn's prompt begins with it (the simulator's answers continue the session's
-stream: sim/session_tokens.py). Memory is one entry per distinct shared piece (infinite) and at most the
+stream: bench/traces.py session_stream). Memory is one entry per distinct shared piece (infinite) and at most the
 pieces that fit the capacity (LRU): never per token. A hit is capped at the
 prompt minus one token, as the scheduler's lookup is. Rates are over prompt
 tokens (the scheduler also counts recomputed tokens after a preemption, so

@@ -310,7 +310,7 @@ class Simulator:
         rid = f"r{tr.index if tr.index is not None else i}"
         req = Request(req_id=rid, prompt_ids=prompt_token_ids(tr, self.vocab, self.cfg.block_size), params=params,
                       arrival=tr.arrival, client=tr.client, priority=tr.priority, eos_token_ids=(2,))
-        if tr.session and tr.prompt_ids is None:     # its answer continues the session (session_tokens.py)
+        if tr.session and tr.prompt_ids is None:     # its answer continues the session (bench/traces.py session_stream)
             req.sim_stream = session_stream(tr, self.cfg.block_size)
         return req, target
 
