@@ -85,9 +85,11 @@ def one_case(policy: str, queue: int, history: int) -> dict:
 def measure() -> dict:
     rows = [one_case(*c) for c in CASES]
     import subprocess
-    try:
+
+    import shepherd
+    try:     # the checkout whose scheduler was measured (PYTHONPATH may name another than this script's)
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent).stdout.strip()
+                             cwd=Path(shepherd.__file__).resolve().parent).stdout.strip()
     except OSError:
         rev = "?"
     return {"rows": rows, "commit": rev, "machine": platform.processor() or platform.machine()}
@@ -103,7 +105,8 @@ def table(before: dict, after: dict) -> str:
                    f"{b['horizon_us'] / a['horizon_us']:.1f}x |")
     out.append("")
     out.append(f"Medians over {STEPS} steps; before: commit {before['commit']}, after: commit {after['commit']}. "
-               f"`python benchmarks/scheduler_queue.py --json F` on each, then `--compare BEFORE AFTER`.")
+               f"`python benchmarks/scheduler_queue.py --json F` on each, then `--compare BEFORE AFTER`; "
+               f"machine: {after['machine']}, in /work/bin/quiet.")
     return "\n".join(out)
 
 

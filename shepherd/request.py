@@ -61,6 +61,9 @@ class Request:
     client: str = "default"           # OpenAI `user` or X-Client-Id: the unit of fairness
     priority: int = 0                 # higher runs first under --policy priority
     eos_token_ids: tuple[int, ...] = ()
+    # leading tokens whose KV arrives with the request, computed elsewhere (a prefill replica of
+    # a disaggregated fleet): its first admission allocates their KV without computing it
+    kv_ready: int = 0
 
     # --- owned by the scheduler ---
     state: RequestState = RequestState.WAITING

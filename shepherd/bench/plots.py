@@ -22,7 +22,7 @@ from shepherd.bench.records import RequestRecord
 from shepherd.bench.stream import RecordStats
 
 STATE_COLORS = {"queued": "#bbbbbb", "prefill": "#ff7f0e", "decode": "#1f77b4", "preempted": "#d62728",
-                "swapped": "#9467bd"}
+                "swapped": "#9467bd", "transfer": "#2ca02c"}    # transfer: KV between a prefill and a decode replica
 
 
 def intervals_of(r: RequestRecord) -> list[tuple[str, float, float]]:

@@ -229,6 +229,32 @@ def _requests_rows(s: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _fleet_rows(s: dict) -> list[tuple[str, str]]:
+    """A simulated fleet's price and energy (sim/fleet.py FleetCost.report) and its
+    prefill/decode disaggregation (sim/disagg.py)."""
+    rows = []
+    c = s.get("cost")
+    if c:
+        groups = ", ".join(g["group"] for g in c["groups"])
+        if c.get("dollars_per_hour") is not None:
+            good = (f"; {_fmt(c['good_requests_per_dollar'])} requests within the SLOs per $"
+                    if c.get("good_requests_per_dollar") is not None else "")
+            rows.append(("cost", f"${_fmt(c['dollars_per_hour'])}/h for {c['gpus']} GPU(s) ({groups}); "
+                                 f"${_fmt(c['dollars_per_million_output_tokens'])} per M output tokens{good}"))
+        else:
+            rows.append(("cost", f"no $/hour known for {groups}: give --gpu-price GPU=$"))
+        if c.get("energy_kwh") is not None:
+            rows.append(("energy", f"{_fmt(c['energy_kwh'])} kWh busy at board power; "
+                                   f"{_fmt(c['joules_per_output_token'])} J per output token"))
+    d = s.get("disaggregation")
+    if d:
+        mean = d.get("transfer_s_mean")
+        rows.append(("P/D", f"{_fmt(d['disaggregated'])} prefilled on prefill replicas, "
+                            f"{_fmt(d['prefilled_locally'])} where they decode (threshold {d['threshold']} tokens); "
+                            f"KV transfer mean {_fmt(mean, 'ms') if mean is not None else '-'}"))
+    return rows
+
+
 def format_table(summary: dict) -> str:
     s = summary
     rows = [
@@ -250,6 +276,7 @@ def format_table(summary: dict) -> str:
     if s.get("slo_ttft") is not None or s.get("slo_tpot") is not None:
         rows.append(("goodput", f"{_fmt(s['goodput_req_s'])} req/s  ({_fmt(s['slo_attainment'])} of completed "
                                 f"within TTFT<={s.get('slo_ttft')} s, TPOT<={s.get('slo_tpot')} s)"))
+    rows += _fleet_rows(s)
     rej = s.get("rejections") or {}
     other = {k: v for k, v in (s.get("failures") or {}).items() if k not in rej}
     if other:

@@ -111,6 +111,7 @@ class KVManager:
         req = e.req
         ids = self._ids(req)
         e.prefix_memo = None          # running now: the memo would only keep nodes alive
+        arrived = req.kv_ready        # its prompt was looked up where it was computed: not counted again
         hit = 0
         req.slots = []
         st = self.stats
@@ -123,16 +124,21 @@ class KVManager:
             req.slots = hit_slots
             if own != self.pool.pages_needed(hit, len(ids) - hit) * self.page_size:
                 raise AssertionError("match_prefix disagrees with match_info")
-            st.prefix_query_tokens += len(ids)
+            if not arrived:
+                st.prefix_query_tokens += len(ids)
         e.cached_len = hit
         pages = self.alloc(own // self.page_size)
         assert pages is not None, "admission promised pages"
         self.pool.extend(req.slots, len(ids) - hit, pages)
-        req.num_computed = hit
+        # KV that came with the request (Request.kv_ready) is written, not computed; the last known
+        # token is always fed, to sample the next. Once only: after a preemption it is recomputed.
+        req.num_computed = max(hit, min(req.kv_ready, len(ids) - 1))
+        req.kv_ready = 0
         if not e.admitted_once:
             req.num_cached = hit
-        st.prefix_hit_tokens += hit
-        st.last_cached_tokens += hit
+        if not arrived:
+            st.prefix_hit_tokens += hit
+            st.last_cached_tokens += hit
 
     def swap_in(self, e: Entry, own: int) -> SwapOp:
         req = e.req

@@ -385,6 +385,113 @@ def from_splitwise(model: str = "llama-2-70b", gpu: str = "h100", tp: int = 8,
 
 
 # --------------------------------------------------------------------------
+# DistServe's time model
+# --------------------------------------------------------------------------
+
+class DistServeCostModel(CostModel):
+    """DistServe's fitted A100 time model (shepherd/data/distserve: its simulator's
+    profiler-a100-80g.distserve.json, Apache-2.0), per model and tensor-parallel degree, in
+    milliseconds:
+
+        prefill  a + b x (prompt tokens in the batch) + c x (sum of each prompt's tokens squared)
+        decode   a + b x (context tokens over the batch, the new one included) + c x batch size,
+                 with one (a, b, c) below `threshold` requests and another from it up
+
+    A step that mixes both (DistServe never mixes) costs the sum. The squares come from the
+    step's prefill query x key pairs: n(n+1)/2 per prompt of n tokens computed from 0, so
+    sum n^2 = 2 x pairs - tokens (exact unless a prompt is chunked). KV capacity: DistServe's
+    max_num_tokens.csv. The per-step overhead terms start at 0 (the fits include the engine's
+    own) and `set_overhead` adds to them."""
+
+    def __init__(self, model: str, tp: int, coeffs: dict, kv_capacity: int, kv_bytes_per_token: int,
+                 pcie_bw: float, source: str):
+        self.name = f"distserve:{model}/A100-80GB" + (f"x{tp}" if tp > 1 else "")
+        self.prefill = tuple(coeffs["prefill"])
+        self.decode_small = tuple(coeffs["decoding_smallbs"])
+        self.decode_large = tuple(coeffs["decoding_largebs"])
+        self.threshold = int(coeffs["decoding_large_small_bs_threshold"])
+        self.kv_capacity = int(kv_capacity)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.pcie_bw = pcie_bw
+        self.source = source
+        self._ovh = (0.0, 0.0)
+
+    def _decode_ms(self, n: int, ctx):
+        a, b, c = self.decode_small if n < self.threshold else self.decode_large
+        return a + b * ctx + c * n
+
+    def shape_time(self, s: BatchShape) -> float:
+        if s.num_seqs == 0 and s.swap_tokens == 0:
+            return 0.0
+        ms = 0.0
+        pre = s.num_tokens - s.num_decode
+        if pre:
+            a, b, c = self.prefill
+            ms += a + b * pre + c * (2 * s.prefill_pairs - pre)
+        if s.num_decode:
+            ms += self._decode_ms(s.num_decode, s.decode_ctx)
+        t = ms / 1e3 + self._ovh[0] + self._ovh[1] * s.num_seqs
+        return t + self.swap_time(s.swap_tokens) if s.swap_tokens else t
+
+    def decode_step_times(self, n: int, ctx0: int, k: int) -> np.ndarray:
+        ctx = ctx0 + n * np.arange(k, dtype=np.float64)
+        return self._decode_ms(n, ctx) / 1e3 + (self._ovh[0] + self._ovh[1] * n)
+
+    def decode_step_time(self, n: int, ctx: int) -> float:
+        return self._decode_ms(n, float(ctx)) / 1e3 + (self._ovh[0] + self._ovh[1] * n)
+
+    decode_step_lb = decode_step_time
+
+    def set_overhead(self, fixed: Optional[float] = None, per_request: Optional[float] = None,
+                     overlap: Optional[bool] = None) -> "CostModel":
+        if overlap:
+            raise ValueError("the DistServe time model has no overlapped output processing")
+        f, p = self._ovh
+        self._ovh = (f if fixed is None else fixed, p if per_request is None else per_request)
+        return self
+
+    @property
+    def overhead(self) -> tuple[float, float]:
+        return self._ovh
+
+    def kv_capacity_tokens(self, *a, **k) -> int:
+        return self.kv_capacity
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": "distserve", "source": self.source, "prefill_ms": self.prefill,
+                "decode_small_ms": self.decode_small, "decode_large_ms": self.decode_large,
+                "threshold": self.threshold, "kv_capacity_tokens": self.kv_capacity}
+
+
+_DISTSERVE_NAMES = {"OPT-13B": "facebook/opt-13b"}
+
+
+def from_distserve(model: str = "opt-13b", gpu: str = "a100-80gb", tp: int = 1,
+                   engine: str = "distserve") -> DistServeCostModel:
+    """DistServe's time model of `model` on A100-80GB at tensor parallel `tp` (engine
+    'distserve' or 'vllm': its two profile files)."""
+    import csv
+    m, g = get_model(model), get_gpu(gpu)
+    if g.name != "A100-80GB":
+        raise ValueError(f"DistServe's profiles are of A100-80GB, not {g.name}")
+    key = _DISTSERVE_NAMES.get(m.name)
+    path = data_path("distserve", f"profiler-a100-80g.{engine}.json")
+    table = json.loads(path.read_text())
+    if key not in table or str(tp) not in table[key]:
+        have = {k: sorted(v) for k, v in table.items()}
+        raise ValueError(f"{path.name}: no profile of {m.name} at tensor parallel {tp} (it has {have})")
+    cap = None
+    with data_path("distserve", "max_num_tokens.csv").open() as f:
+        for row in csv.DictReader(f):
+            if row["model"] == key and int(row["tp"]) == tp and int(row["pp"]) == 1:
+                cap = int(row["max_num_tokens"])
+    if cap is None:
+        raise ValueError(f"max_num_tokens.csv: no KV capacity of {m.name} at tensor parallel {tp}")
+    roof = RooflineCostModel(m, g, tp=tp)
+    return DistServeCostModel(m.name, tp, table[key][str(tp)], cap, m.kv_bytes_per_token, roof.pcie_bw, str(path))
+
+
+# --------------------------------------------------------------------------
 # one entry point for the CLI
 # --------------------------------------------------------------------------
 
@@ -393,7 +500,7 @@ def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1
                     seq_overhead: Optional[float] = None, overlap: Optional[bool] = None,
                     frontend: Optional[float] = None) -> CostModel:
     """--cost-model: a JSON file written by `shepherd calibrate` (or any fitted
-    model), 'roofline' (default), 'vidur' or 'splitwise'; --step-overhead and
+    model), 'roofline' (default), 'vidur', 'splitwise' or 'distserve' (OPT-13B on A100-80GB); --step-overhead and
     --seq-overhead replace the model's per-step overhead terms; --overlap-output
     sets overlap (None keeps the model's own: off, or what its JSON says)."""
     if cost_model in (None, "", "roofline"):
@@ -401,6 +508,8 @@ def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1
     else:
         if cost_model == "vidur":
             cm = from_vidur(model, gpu, tp=tp)
+        elif cost_model == "distserve":
+            cm = from_distserve(model, gpu, tp=tp)
         elif cost_model == "splitwise":
             cm = from_splitwise(model, gpu, tp=tp)
         else:
@@ -416,4 +525,4 @@ def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1
 
 
 __all__ = ["FEATURES", "FittedCostModel", "load_cost_model", "fit_cost_model", "from_vidur", "from_splitwise",
-           "make_cost_model"]
+           "DistServeCostModel", "from_distserve", "make_cost_model"]

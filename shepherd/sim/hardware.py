@@ -78,6 +78,8 @@ class GPUSpec:
     compute_eff: float = 0.6  # achieved fraction of peak FLOPS (MFU of large GEMMs)
     step_overhead: float = 4.5e-4   # per-step launch/scheduling/sampling overhead, s
     seq_overhead: float = 0.0       # per-sequence overhead per step, s
+    price_hr: float = 0.0           # on-demand $ per GPU-hour (0: unknown; --gpu-price GPU=$)
+    power_w: float = 0.0            # board power (TDP) per GPU, W (0: unknown; --gpu-power GPU=W)
 
 
 # max_context: each model's config.json max_position_embeddings (Llama-3.1 extends Llama-3's
@@ -94,14 +96,18 @@ MODELS: dict[str, ModelSpec] = {
                          max_context=2048, mlp_mats=2),
 }
 
+# price_hr: the middle of the "specialty provider" on-demand range of one published survey
+# (mercatus-ai.com/blog/cloud-gpu-pricing, May 2026: A100 80GB $1.10-1.50, H100 SXM5 $2.50-3.50,
+# H200 SXM5 $3.50-4.50 per GPU-hour; hyperscalers 1.3-2x more, long-tail providers less);
+# power_w: SXM board power (A100 400 W, H100 and H200 700 W). The A10G has neither here.
 GPUS: dict[str, GPUSpec] = {
     # H100 SXM: 80 GiB HBM3 3.35 TB/s, 989 TFLOPS dense bf16, PCIe 5 x16, NVLink 4 (450 GB/s/dir)
     # mem_eff 0.8 + 0.45 ms step overhead reproduce vLLM's measured single-request
     # Llama-3-8B ITL of 6.44 ms + 4.37e-5 ms/context token to within 3% over 1k-32k.
-    "h100": GPUSpec("H100", 80 * GiB, 3.35e12, 989e12, 50e9, link_bw=360e9),
-    "h200": GPUSpec("H200", 141e9, 4.8e12, 989e12, 50e9, link_bw=360e9),
+    "h100": GPUSpec("H100", 80 * GiB, 3.35e12, 989e12, 50e9, link_bw=360e9, price_hr=3.00, power_w=700),
+    "h200": GPUSpec("H200", 141e9, 4.8e12, 989e12, 50e9, link_bw=360e9, price_hr=4.00, power_w=700),
     "a100-80gb": GPUSpec("A100-80GB", 80 * GiB, 2.039e12, 312e12, 25e9, link_bw=240e9,
-                         step_overhead=6e-4),
+                         step_overhead=6e-4, price_hr=1.30, power_w=400),
     # A10G (AWS g5): 24 GiB GDDR6 600 GB/s, ~70 TFLOPS dense bf16 tensor, PCIe 4, no NVLink
     "a10g": GPUSpec("A10G", 24 * GiB, 600e9, 70e12, 25e9, link_bw=0.0, step_overhead=8e-4),
     # this machine's CPU (2 vCPU AMD EPYC, AVX-512 bf16): a rough roofline only; use

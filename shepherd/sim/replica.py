@@ -227,11 +227,16 @@ class ReplicaSpec:
     fast: bool = True
     timeseries: bool = True
     record_batches: bool = False
+    group: int = 0                      # its ReplicaGroup in the fleet (sim/fleet.py)
+    role: str = "both"                  # both | prefill | decode
+    label: str = ""                     # its GPU type and tensor parallel degree, for reports
 
 
 class Replica:
     def __init__(self, idx: int, spec: ReplicaSpec, on_finish: Callable[["Replica", Track], None]):
         self.idx = idx
+        self.group, self.role, self.label = spec.group, spec.role, spec.label
+        self.busy = 0.0                  # seconds its steps took (the fleet's energy and utilisation)
         self.on_finish = on_finish       # told of every request that ends here
         self.cost = spec.cost
         self.kv_capacity = spec.sched_cfg.max_total_tokens
@@ -274,7 +279,8 @@ class Replica:
         return {"replica": self.idx, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
                 "output_tokens": self.output_tokens, "kv_peak_used_tokens": self.kv_peak,
                 "cached_peak_tokens": self.cached_peak, "evicted_tokens": self.sched.kv.evicted_tokens,
-                "steps": self.steps}
+                "steps": self.steps, "busy_s": self.busy, "gpu": self.label, "role": self.role, "group": self.group,
+                "kv_capacity_tokens": self.kv_capacity}
 
     def _charge(self, step_time: float) -> float:
         """A step's time on the virtual clock: the step shape's window cost of the cost
@@ -364,6 +370,7 @@ class Replica:
             tr = tracks.get(s.req_id)
             if tr is not None and tr.state in ("queued", "preempted"):
                 tr.move("prefill", t0)
+        self.busy += step.end - t0
         self.clock = step.end
         if self.batches is not None:
             self.batches.append((self.idx, t0, [(s.req_id, s.start_pos, len(s.token_ids)) for s in step.batch.seqs]))
@@ -495,6 +502,7 @@ class Replica:
         t_end = float(ends[-1])
         self._counts = None
         outs = self.sched.fast_forward(k, tokens, t_end)
+        self.busy += t_end - now
         self.clock = t_end
         self._quiet_after(plan, k)
         self.steps += k

@@ -4,7 +4,9 @@
         [--model NAME] [--gpu NAME] [--tp N] [--replicas N] [--router POLICY [--router-knob K=V ...]]
         [--max-total-tokens N] [--max-batch-size N] [--max-num-tokens N] [--admission MODE]
         [--preemption MODE] [--policy NAME] [--no-prefix-cache] [--page-size N]
-        [--time-scale X] [--limit N] [--rate R] [--cost-model FILE|roofline|vidur|splitwise]
+        [--fleet 2xh100,1xa100-80gb/tp2 | 1xa100-80gb/tp2@prefill,2xa100-80gb@decode [--pd-threshold N]]
+        [--gpu-price GPU=$ ...] [--gpu-power GPU=W ...]
+        [--time-scale X] [--limit N] [--rate R] [--cost-model FILE|roofline|vidur|splitwise|distserve]
         [--slo-ttft S --slo-tpot S] --out DIR
 
 Without --trace, a synthetic workload from flags: --rate/--clients, --num-requests
@@ -89,11 +91,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpu", default="h100", help="h100 | h200 | a100-80gb | a10g | cpu")
     c.add_argument("--tp", type=int, default=1, choices=[1, 2, 4, 8], help="tensor parallel per replica")
     c.add_argument("--replicas", type=int, default=1)
+    c.add_argument("--fleet", default=None, metavar="SPEC",
+                   help="replica groups instead of --replicas/--gpu/--tp: COUNTxGPU[/tpN][@prefill|@decode],... "
+                        "e.g. '2xh100,2xa100-80gb/tp2' (heterogeneous) or '1xa100-80gb/tp2@prefill,2xa100-80gb@decode' "
+                        "(prefill/decode disaggregation); every group has its own cost model (--cost-model)")
+    c.add_argument("--pd-threshold", type=int, default=0, metavar="N",
+                   help="with prefill replicas: disaggregate a request when at least N of its prompt tokens are "
+                        "not cached on its decode replica (llm-d / Dynamo's conditional decider; 0: always)")
+    c.add_argument("--pd-link-gbs", type=float, default=50.0, metavar="GB/S",
+                   help="KV transfer bandwidth between a prefill and a decode replica (default: PCIe 5 x16)")
+    c.add_argument("--pd-link-latency", type=float, default=0.5e-3, metavar="S", help="seconds per KV transfer")
+    c.add_argument("--gpu-price", action="append", default=[], metavar="GPU=$",
+                   help="$ per GPU-hour, over the preset's (cost per million tokens, goodput per dollar)")
+    c.add_argument("--gpu-power", action="append", default=[], metavar="GPU=W", help="board power per GPU, W")
     c.add_argument("--router", default="least-request",
                    help="routing policy (shepherd/routing/; default %(default)s, as `shepherd gateway --policy`)")
     c.add_argument("--router-knob", action="append", default=[], metavar="K=V", help="routing policy knob")
     c.add_argument("--cost-model", default=None,
-                   help="roofline (default), vidur, splitwise, or a JSON file from `shepherd calibrate`")
+                   help="roofline (default), vidur, splitwise, distserve (OPT-13B on A100-80GB), or a JSON file "
+                        "from `shepherd calibrate`")
     c.add_argument("--step-overhead", type=float, default=None, metavar="S",
                    help="per-step CPU/launch overhead, seconds (default: the GPU preset's, e.g. H100 0.00045, "
                         "or what `shepherd calibrate` measured)")
@@ -113,6 +129,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests ask for this many tokens and stop (EOS) at the trace's length; "
                         "default: max_tokens = the trace's output length")
     add_scheduler_arguments(p)
+    q = p.add_argument_group("search (--search: the cheapest configuration that meets --slo-ttft/--slo-tpot)")
+    q.add_argument("--search", action="store_true",
+                   help="simulate every configuration of the grid below on the workload; print the cheapest that "
+                        "meets the SLOs and the Pareto set of $/hour against SLO attainment (search.json)")
+    q.add_argument("--slo-attainment", type=float, default=0.9, help="fraction of all requests within both SLOs")
+    q.add_argument("--budget", type=float, default=None, metavar="$/H", help="most $/hour a fleet may cost")
+    q.add_argument("--search-gpus", default="a100-80gb,h100,h200")
+    q.add_argument("--search-tp", default="1,2")
+    q.add_argument("--search-replicas", default="1,2,4,8")
+    q.add_argument("--search-max-batch", default="256")
+    q.add_argument("--search-chunk", default="2048", help="max_num_tokens values")
+    q.add_argument("--search-admission", default="optimistic")
+    q.add_argument("--search-routers", default="least-request")
+    q.add_argument("--search-pd", default="0", help="prefill replicas per fleet (0: no disaggregation)")
     o = p.add_argument_group("output")
     o.add_argument("--out", required=True, help="output folder (summary.json, records, plots)")
     o.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT SLO, seconds")
@@ -181,6 +211,8 @@ def _scaled(reqs, k: float):
 def run_title(args) -> str:
     """Every plot's title: the workload, router, replicas and model."""
     name = args.title or (Path(args.trace).stem if args.trace else "synthetic")
+    if args.fleet:
+        return f"{name}: router {args.router}, fleet {args.fleet}, {args.model}"
     return (f"{name}: router {args.router}, {args.replicas} replica{'s' if args.replicas != 1 else ''}, "
             f"{args.model} on {args.gpu}" + (f" x tp{args.tp}" if args.tp > 1 else ""))
 
@@ -188,6 +220,7 @@ def run_title(args) -> str:
 def main(args) -> int:
     from shepherd.bench.report import format_table, write_report
     from shepherd.sim.fitted_cost import make_cost_model
+    from shepherd.sim.fleet import PDConfig, parse_fleet, parse_prices
     from shepherd.sim.simulator import SimConfig, Simulator
     from shepherd.bench.trace_formats import TraceFormatError
 
@@ -204,21 +237,31 @@ def main(args) -> int:
             return 2
         k, v = kv.split("=", 1)
         knobs[k] = v
-    cfg = SimConfig(model=args.model, gpu=args.gpu, tp=args.tp, replicas=args.replicas, router=args.router,
-                    router_knobs=knobs, scheduler=sched, kv_capacity=args.max_total_tokens,
-                    mem_fraction=args.mem_fraction, host_kv_tokens=args.host_kv_tokens,
-                    max_model_len=args.max_model_len, max_tokens=args.max_tokens, fast=not args.slow,
-                    seed=args.seed, progress=not args.no_progress, keep_records=False)
+    cost_knobs = dict(step_overhead=args.step_overhead, seq_overhead=args.seq_overhead,
+                      overlap=args.overlap_output, frontend=args.frontend_latency)
     try:
-        cost = make_cost_model(args.model, args.gpu, tp=args.tp, cost_model=args.cost_model,
-                               step_overhead=args.step_overhead, seq_overhead=args.seq_overhead,
-                               overlap=args.overlap_output, frontend=args.frontend_latency)
+        cfg = SimConfig(model=args.model, gpu=args.gpu, tp=args.tp, replicas=args.replicas, router=args.router,
+                        router_knobs=knobs, scheduler=sched, kv_capacity=args.max_total_tokens,
+                        mem_fraction=args.mem_fraction, host_kv_tokens=args.host_kv_tokens,
+                        max_model_len=args.max_model_len, max_tokens=args.max_tokens, fast=not args.slow,
+                        seed=args.seed, progress=not args.no_progress, keep_records=False,
+                        fleet=parse_fleet(args.fleet) if args.fleet else [],
+                        pd=PDConfig(threshold=args.pd_threshold, link_bw=args.pd_link_gbs * 1e9,
+                                    link_latency=args.pd_link_latency),
+                        cost_model=args.cost_model, cost_knobs=cost_knobs,
+                        gpu_prices=parse_prices(args.gpu_price, "--gpu-price"),
+                        gpu_powers=parse_prices(args.gpu_power, "--gpu-power"))
+        # a fleet: each group's cost model of its own GPU type and TP (cfg.cost_model, cfg.cost_knobs)
+        cost = None if args.fleet else make_cost_model(args.model, args.gpu, tp=args.tp,
+                                                       cost_model=args.cost_model, **cost_knobs)
         sim = Simulator(cfg, cost)     # validates the scheduler's knobs for the capacity it derives
     except (KeyError, ValueError, ConfigError, FileNotFoundError) as e:
         print(f"shepherd simulate: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.search:
+        return run_search(args, cfg, workload, out)
     t0 = time.perf_counter()
     try:
         with RecordWriter(out / "records.jsonl" if args.records else None) as writer:
@@ -234,6 +277,47 @@ def main(args) -> int:
     print(format_table(summary))
     print(f"simulated {result.stats.n} requests, {result.steps:,} steps ({result.fast_steps:,} fast-forwarded) "
           f"in {wall:.2f} s wall; cost model {result.cost_model}; wrote {out}/")
+    return 0
+
+
+def run_search(args, cfg, workload, out: Path) -> int:
+    """--search: every configuration of the grid on the same workload (sim/search.py)."""
+    from shepherd.sim.search import SearchSpace, format_search, search, simulate_candidate
+
+    def ints(v):
+        return [int(x) for x in v.split(",") if x.strip()]
+
+    def names(v):
+        return [x.strip() for x in v.split(",") if x.strip()]
+
+    if args.slo_ttft is None and args.slo_tpot is None:
+        print("shepherd simulate --search: give --slo-ttft and/or --slo-tpot", file=sys.stderr)
+        return 2
+    space = SearchSpace(gpus=names(args.search_gpus), tps=ints(args.search_tp), replicas=ints(args.search_replicas),
+                        max_batch=ints(args.search_max_batch), chunk=ints(args.search_chunk),
+                        admission=names(args.search_admission), routers=names(args.search_routers),
+                        pd_prefill=ints(args.search_pd))
+    trace = list(workload)
+    evaluate = simulate_candidate(trace, cfg, args.cost_model, args.slo_ttft, args.slo_tpot)
+
+    def show(o):
+        if not args.no_progress:
+            state = o.error or f"{o.attainment:.1%} within the SLOs"
+            print(f"  {o.candidate.label():<34} ${o.dollars_per_hour:7.2f}/h  {state}", file=sys.stderr)
+
+    try:
+        res = search(space, evaluate, attainment=args.slo_attainment, budget=args.budget, prices=cfg.gpu_prices,
+                     progress=show)
+    except (KeyError, ValueError, ConfigError) as e:
+        print(f"shepherd simulate --search: {e}", file=sys.stderr)
+        return 2
+    (out / "search.json").write_text(json.dumps({
+        "requests": len(trace), "slo_ttft": args.slo_ttft, "slo_tpot": args.slo_tpot,
+        "attainment": args.slo_attainment, "budget": args.budget, "runs": res.runs, "skipped": res.skipped,
+        "wall_s": res.wall_s, "best": res.best.row() if res.best else None,
+        "pareto": [o.row() for o in res.pareto], "all": [o.row() for o in res.outcomes]}, indent=1))
+    print(format_search(res, args.slo_attainment, args.budget))
+    print(f"wrote {out}/search.json")
     return 0
 
 

@@ -63,24 +63,15 @@ from shepherd.config import SchedulerConfig, host_pool_tokens, whole_pages
 from shepherd.request import Request, SamplingParams
 from shepherd.sim.cache_bounds import HitRateBounds
 from shepherd.sim.cost_model import CostModel, RooflineCostModel
+from shepherd.sim.disagg import Disaggregation
 from shepherd.sim.fitted_cost import make_cost_model
+from shepherd.sim.fleet import FleetCost, PDConfig, ReplicaGroup
 from shepherd.sim.hardware import get_model
 from shepherd.sim.kv_feed import SimKVFeed
+from shepherd.sim.pools import RoutePool
 from shepherd.sim.replica import Replica, ReplicaSpec, Track
 
 GC_YOUNG_THRESHOLD = 20_000     # see Simulator.run
-
-# Policies whose choice reads no replica state, so routing can happen ahead of the
-# replicas catching up to the arrival time. session-affinity is not among them:
-# its fallback for requests without a session reads load.
-LAZY_POLICIES = {"round-robin", "roundrobin", "rr", "random"}
-# Policies that read replica counts (running, waiting, in flight) but not KV use: a
-# replica is advanced only until its counts cannot change before an arrival
-# (Replica.quiet_until); it catches up later with the same steps (the fast path's
-# chunking does not change a token time).
-COUNT_POLICIES = {"least-request", "least-loaded", "shortest-queue", "power-of-two", "p2c", "prefix-aware",
-                  "prefix-cache", "prefix", "cache-aware", "cache_aware", "vtc-basic", "vtc", "session-affinity",
-                  "session"}
 
 
 # --------------------------------------------------------------------------
@@ -113,7 +104,17 @@ class SimConfig:
     keep_records: bool = True             # SimResult.records holds every record; False: only the
                                           # streamed statistics (and on_record) see them: flat memory
     cache_bounds: bool = True             # the infinite / cluster-LRU hit-rate references
-    skip_quiet: bool = True               # see COUNT_POLICIES (False: advance every replica; tests)
+    skip_quiet: bool = True               # see pools.COUNT_POLICIES (False: advance every replica; tests)
+    # a fleet of several GPU types, tensor-parallel degrees or roles (sim/fleet.py); [] = `replicas`
+    # replicas of (gpu, tp). A fleet with prefill replicas disaggregates (sim/disagg.py, `pd`).
+    fleet: list = field(default_factory=list)
+    pd: PDConfig = field(default_factory=PDConfig)
+    # when no CostModel is handed to the Simulator: each group's is make_cost_model(model, its gpu,
+    # its tp, cost_model=this, **cost_knobs) (roofline | vidur | splitwise | distserve | FILE)
+    cost_model: Optional[str] = None
+    cost_knobs: dict = field(default_factory=dict)
+    gpu_prices: dict = field(default_factory=dict)    # gpu -> $/GPU-hour, over the presets' (FleetCost)
+    gpu_powers: dict = field(default_factory=dict)    # gpu -> W per GPU
 
 
 @dataclass
@@ -138,6 +139,8 @@ class SimResult:
     hit_rate_bounds: dict = field(default_factory=dict)
     rejections: dict = field(default_factory=dict)   # kind -> {"count", "reason"}: refused at add()
     max_model_len: Optional[int] = None
+    fleet: Optional[FleetCost] = None                # the replica groups and their prices
+    disagg: dict = field(default_factory=dict)       # prefill/decode disaggregation's counts
     cost_range: dict = field(default_factory=dict)   # a fitted model's steps past its profiled range
 
     @property
@@ -157,11 +160,11 @@ class SimResult:
     def summary(self, *, slo_ttft=None, slo_tpot=None, extra: Optional[dict] = None) -> dict:
         from shepherd.bench.report import summarize
         c = self.config
-        ex = {"sim": {"model": c.model, "gpu": c.gpu, "tp": c.tp, "replicas": c.replicas, "router": c.router,
+        ex = {"sim": {"model": c.model, "gpu": c.gpu, "tp": c.tp, "replicas": len(self.replicas), "router": c.router,
                       "cost_model": self.cost_model, "steps": self.steps, "fast_steps": self.fast_steps,
                       "admission": c.scheduler.admission, "preemption": c.scheduler.preemption,
                       "policy": c.scheduler.policy, "prefix_cache": c.scheduler.prefix_cache,
-                      "kv_capacity_per_replica": self.kv_capacity_tokens // max(1, c.replicas),
+                      "kv_capacity_per_replica": self.kv_capacity_tokens // max(1, len(self.replicas)),
                       "prefix_hit_tokens": self.prefix_hit_tokens,
                       "prefix_query_tokens": self.prefix_query_tokens, "max_model_len": self.max_model_len,
                       **({"cost_model_range": self.cost_range} if self.cost_range else {})},
@@ -170,11 +173,24 @@ class SimResult:
               "cache": {"cached_peak_tokens": sum(r["cached_peak_tokens"] for r in self.replicas),
                         "evicted_tokens": sum(r["evicted_tokens"] for r in self.replicas)},
               "replicas": self.replicas, "balance": self.balance(), "routing": self.routing}
+        if self.fleet is not None:
+            ex["sim"]["fleet"] = [g.label() for g in self.fleet.groups]
+        if self.disagg:
+            ex["disaggregation"] = self.disagg
         if extra:
             ex.update(extra)
-        return summarize(self.stats, kv_capacity_tokens=self.kv_capacity_tokens,
-                         kv_peak_used_tokens=self.kv_peak_used_tokens, prefix_hit_rate=self.prefix_hit_rate,
-                         slo_ttft=slo_ttft, slo_tpot=slo_tpot, wall_s=self.wall_s, extra=ex)
+        s = summarize(self.stats, kv_capacity_tokens=self.kv_capacity_tokens,
+                      kv_peak_used_tokens=self.kv_peak_used_tokens, prefix_hit_rate=self.prefix_hit_rate,
+                      slo_ttft=slo_ttft, slo_tpot=slo_tpot, wall_s=self.wall_s, extra=ex)
+        if self.fleet is not None:
+            dur = s["duration_s"]
+            good = (round(s["goodput_req_s"] * dur) if (slo_ttft is not None or slo_tpot is not None)
+                    and s["goodput_req_s"] is not None else None)
+            s["cost"] = self.fleet.report(dur, [r["busy_s"] for r in self.replicas],
+                                          [r["group"] for r in self.replicas],
+                                          output_tokens=self.stats.out_tok,
+                                          total_tokens=self.stats.out_tok + self.stats.in_tok, good_requests=good)
+        return s
 
 
 class _Progress:
@@ -208,89 +224,76 @@ class _Progress:
 
 class Simulator:
     def __init__(self, cfg: SimConfig, cost_model: Optional[CostModel] = None):
+        """cost_model: every replica's (a plain run, or a fleet of one GPU type); None: each
+        replica group's own, from cfg.cost_model and cfg.cost_knobs."""
         self.cfg = cfg
-        self.cost = cost_model or make_cost_model(cfg.model, cfg.gpu, tp=cfg.tp)
+        self.groups = list(cfg.fleet) or [ReplicaGroup(cfg.replicas, cfg.gpu, cfg.tp)]
+        if cost_model is not None and len({(g.gpu, g.tp) for g in self.groups}) > 1:
+            raise ValueError("one cost model handed in for a fleet of several GPU types or TP degrees: "
+                             "leave it None and name it in SimConfig.cost_model (each group gets its own)")
+        self.costs = [cost_model or make_cost_model(cfg.model, g.gpu, tp=g.tp, cost_model=cfg.cost_model,
+                                                    **cfg.cost_knobs) for g in self.groups]
+        self.cost = self.costs[0]
+        self.fleet = FleetCost(self.groups, cfg.gpu_prices, cfg.gpu_powers)
+        self.num_replicas = sum(g.count for g in self.groups)
+        self.specs = [self._spec(gi, g, cost) for gi, (g, cost) in enumerate(zip(self.groups, self.costs))]
+        self.kv_capacity = self.specs[0].sched_cfg.max_total_tokens      # per replica (of the first group)
+        self.kv_capacity_total = sum(sp.sched_cfg.max_total_tokens * g.count for sp, g in zip(self.specs, self.groups))
+        self.sched_cfg = self.specs[0].sched_cfg
+        self.host_kv = self.specs[0].host_kv
+        self.max_model_len = self.specs[0].max_model_len
+        self._pools: list[RoutePool] = []
+        self._rr = -1                # the built-in round robin's last choice (routing/ missing)
+        self._routes: dict = {}
+
+    def _spec(self, gi: int, g: ReplicaGroup, cost: CostModel) -> ReplicaSpec:
+        """What group gi's replicas are built from: its KV capacity from its cost model (or
+        cfg.kv_capacity), its scheduler knobs validated once."""
+        cfg = self.cfg
         page = cfg.scheduler.page_size
         if cfg.kv_capacity:
             cap = cfg.kv_capacity
         else:
-            cap = self.cost.kv_capacity_tokens(mem_fraction=cfg.mem_fraction, page_size=page) \
-                if isinstance(self.cost, RooflineCostModel) else self.cost.kv_capacity_tokens()
-        self.kv_capacity = whole_pages(cap, page)
-        self.host_kv = host_pool_tokens(cfg.host_kv_tokens, self.kv_capacity, cfg.scheduler.preemption)
-        self.max_model_len = cfg.max_model_len or model_context(cfg.model) or self.kv_capacity
-        # every replica's scheduler: validated here, once
-        self.sched_cfg = dataclasses.replace(cfg.scheduler, max_total_tokens=self.kv_capacity).validate()
+            cap = cost.kv_capacity_tokens(mem_fraction=cfg.mem_fraction, page_size=page) \
+                if isinstance(cost, RooflineCostModel) else cost.kv_capacity_tokens()
+        cap = whole_pages(cap, page)
+        sched = dataclasses.replace(cfg.scheduler, max_total_tokens=cap, **g.scheduler).validate()
+        host = host_pool_tokens(cfg.host_kv_tokens, cap, sched.preemption)
+        mml = cfg.max_model_len or model_context(cfg.model) or cap
+        return ReplicaSpec(sched, cost, host, mml, self.vocab_size(), fast=cfg.fast, timeseries=cfg.timeseries,
+                           record_batches=cfg.record_batches, group=gi, role=g.role,
+                           label=f"{g.gpu}" + (f"/tp{g.tp}" if g.tp > 1 else ""))
+
+    def vocab_size(self) -> int:
+        cfg = self.cfg
         if cfg.vocab_size:
-            self.vocab = cfg.vocab_size
-        else:
-            try:
-                self.vocab = get_model(cfg.model).vocab_size
-            except KeyError:
-                self.vocab = 32000
-        self._router = None
-        self._rr = -1                # the built-in round robin's last choice (routing/ missing)
-        self._routes: dict = {}
+            return cfg.vocab_size
+        try:
+            return get_model(cfg.model).vocab_size
+        except KeyError:
+            return 32000
+
+    @property
+    def vocab(self) -> int:
+        return self.specs[0].vocab
 
     # -- routing -----------------------------------------------------------------
     @property
     def policy(self):
-        """The routing policy of the last run (None before one, or without routing)."""
-        return self._router[1] if self._router is not None else None
-
-    def _make_router(self):
-        name = self.cfg.router
-        try:
-            from shepherd import routing as R
-        except ModuleNotFoundError:
-            return None
-        knobs = dict(self.cfg.router_knobs)
-        try:
-            defaults = R.policy_knobs(R.ALIASES.get(name, name))
-            if "seed" in defaults and "seed" not in knobs:
-                knobs["seed"] = self.cfg.seed
-        except Exception:
-            pass
-        policy = R.make_policy(name, **knobs)
-        states = [R.ReplicaState(index=i, name=f"replica-{i}") for i in range(self.cfg.replicas)]
-        return R, policy, states
-
-    def _choose(self, tr: TraceRequest, req: Request, now: float) -> int:
-        if self._router is None:   # built-in round robin (routing.py missing)
-            self._rr += 1
-            return self._rr % self.cfg.replicas
-        R, policy, states = self._router
-        if not self._lazy:
-            for rep, st in zip(self.replicas, states):
-                used, _cached, nrun, nwait, _ = rep.counts()
-                st.running = nrun
-                st.waiting = nwait
-                st.kv_usage = used / max(1, rep.kv_capacity)
-                st.metrics_at = now
-        if self._kv_feed is not None:
-            self._kv_feed.sync()        # the replicas' caches as of now, exactly
-        rr = R.RouteRequest(token_ids=req.prompt_ids, user=tr.client, session=tr.session,
-                            input_tokens=tr.prompt_tokens, now=now, hash_ids=tr.hash_ids,
-                            max_tokens=req.params.max_tokens, req_id=req.req_id)
-        st = policy.choose(rr, states)
-        st.in_flight += 1
-        policy.on_dispatch(rr, st)
-        rr.token_ids = None   # keep no prompt alive for on_finish
-        rr.hash_ids = None
-        self._routes[req.req_id] = rr
-        return st.index
+        """The routing policy of the last run (None before one)."""
+        return self._router.policy if self._router is not None else None
 
     def on_finish(self, rep: Replica, tr: Track) -> None:
-        """A request ended on a replica: tell the router, stream its record out."""
+        """A request ended on a replica: a prefill hands it over to its decode replica (sim/
+        disagg.py); anything else tells the router and streams its record out."""
+        rid = tr.rec.req_id
+        if rep.role == "prefill" and self._disagg is not None and self._disagg.owns(rid):
+            rep, nxt = self._disagg.prefilled(rep, tr)
+            if nxt is not None:
+                return                   # decodes on `rep` once its KV has crossed (Disaggregation.due)
         self.finished += 1
         if self._router is not None:
-            R, policy, states = self._router
-            rr = self._routes.pop(tr.rec.req_id, None)
-            st = states[rep.idx]
-            st.in_flight -= 1
-            if rr is not None:
-                rr.now = tr.rec.finish
-                policy.on_finish(rr, st, tr.ntok)
+            self._router.finished(rep, rid, tr.rec.finish, tr.ntok)
         self._emit(tr.close(lists=self._lists))
 
     def _emit(self, rec: RequestRecord) -> None:
@@ -337,21 +340,28 @@ class Simulator:
         if isinstance(trace, (list, tuple)):
             total = len(trace)
             trace = sorted(trace, key=lambda r: r.arrival)
-        spec = ReplicaSpec(self.sched_cfg, self.cost, self.host_kv, self.max_model_len, self.vocab, fast=cfg.fast,
-                           timeseries=cfg.timeseries, record_batches=cfg.record_batches)
-        self.replicas = [Replica(i, spec, self.on_finish) for i in range(cfg.replicas)]
-        self._router = self._make_router()
-        index = getattr(self._router[1], "kv_index", None) if self._router is not None else None
-        self._kv_feed = SimKVFeed(index, self.replicas) if index is not None else None
-        self._lazy = self._router is None or cfg.router in LAZY_POLICIES
-        self._skip_quiet = cfg.skip_quiet and cfg.router in COUNT_POLICIES
+        self.replicas = []
+        for g, spec in zip(self.groups, self.specs):
+            for _ in range(g.count):
+                self.replicas.append(Replica(len(self.replicas), spec, self.on_finish))
+        serve = [r for r in self.replicas if r.role != "prefill"]
+        prefill = [r for r in self.replicas if r.role == "prefill"]
+        if not serve:
+            raise ValueError("the fleet has prefill replicas only: add replicas that decode (@decode or no role)")
+        self._router = RoutePool(serve, cfg.router, cfg.router_knobs, cfg.seed, cfg.skip_quiet)
+        self._disagg = (Disaggregation(cfg.pd, RoutePool(prefill, cfg.pd.prefill_router, {}, cfg.seed,
+                                                         cfg.skip_quiet)) if prefill else None)
+        # a policy that reads KV events (precise-prefix) gets every replica's cache as of each decision
+        index = getattr(self._router.policy, "kv_index", None)
+        self._kv_feed = SimKVFeed(index, serve) if index is not None else None
+        self._router.feed = self._kv_feed
         self.finished = 0
         self.rejections: dict = {}
-        beyond0 = (getattr(self.cost, "beyond_steps", 0), getattr(self.cost, "floored_steps", 0))
+        beyond0 = self._beyond_counts()
         self.stats = RecordStats(seed=cfg.seed)
         self._on_record = on_record
         self._lists = cfg.keep_records or on_record is not None    # else token times go to the stats alone
-        bounds = HitRateBounds(self.kv_capacity * cfg.replicas, cfg.block_size) if cfg.cache_bounds else None
+        bounds = HitRateBounds(self.kv_capacity_total, cfg.block_size) if cfg.cache_bounds else None
         records: list[RequestRecord] = []
         prog = _Progress(total, cfg.progress)
         last = -math.inf
@@ -367,6 +377,7 @@ class Simulator:
             if cfg.keep_records:
                 records.append(rec)
             prog.update(n, tr.arrival)
+        self._land(math.inf)
         for rep in self.replicas:
             rep.advance_to(math.inf)
         if self._kv_feed is not None:
@@ -378,28 +389,58 @@ class Simulator:
         return self._result(records, bounds, time.perf_counter() - wall0, beyond0)
 
     def _arrive(self, tr: TraceRequest, i: int) -> RequestRecord:
-        from shepherd.scheduler.scheduler import QueueFull, RequestRejected
         now = tr.arrival + self.cost.frontend    # the engine sees it after the frontend's part
         req, target = self.make_request(tr, i)
         req.arrival = now
         rec = RequestRecord(req_id=req.req_id, client=tr.client, arrival=tr.arrival, prompt_tokens=tr.prompt_tokens)
-        if not self._lazy:
-            for rep in self.replicas:
-                rep.advance_to(now, settle=self._skip_quiet)
-        ridx = self._choose(tr, req, now)
-        rep = self.replicas[ridx]
-        rec.replica = ridx
+        self._land(now)
+        self._router.advance(now)
+        rep = self._router.choose(tr, req, now)
+        rec.replica = rep.idx
         rep.advance_to(now)
+        track = Track(rec, req, target)
+        if self._disagg is not None:
+            if self._disagg.wants(rep, req):
+                pre, track = self._disagg.send(tr, req, target, rep, rec, now)
+                pre.advance_to(now)
+                self._add(pre, track, now, self._disagg.pool)
+                return rec
+            self._disagg.local += 1
+        self._add(rep, track, now, self._router)
+        return rec
+
+    def _add(self, rep: Replica, track: Track, now: float, pool: RoutePool) -> None:
+        """Hand a request to a replica; one it refuses (QueueFull, RequestRejected) is a counted
+        rejection, its record out at once."""
+        from shepherd.scheduler.scheduler import QueueFull, RequestRejected
         try:
-            rep.add(Track(rec, req, target), now)
+            rep.add(track, now)
         except (QueueFull, RequestRejected) as e:
+            rec = track.rec
             rec.ok, rec.finish = False, now
             rec.error_kind = e.kind
             r = self.rejections.setdefault(e.kind, {"count": 0, "reason": str(e)})
             r["count"] += 1
-            self._drop_route(req.req_id, ridx)
-            self._emit(rec)
-        return rec
+            rid = rec.req_id
+            pool.finished(rep, rid, now, 0)
+            if pool is not self._router:       # a prefill refused: the decode replica chosen for it too
+                self._router.finished(self._disagg.dropped(rid), rid, now, 0)
+            self._emit(track.close(lists=self._lists))
+
+    def _land(self, t: float) -> None:
+        """Every KV transfer from a prefill replica that lands by t joins its decode replica
+        (sim/disagg.py), in time order."""
+        if self._disagg is None:
+            return
+        for when, rep, track in self._disagg.due(t):
+            rep.advance_to(when)
+            track.move("queued", when)
+            track.req.arrival = when
+            self._add(rep, track, when, self._router)
+
+    def _beyond_counts(self) -> tuple[int, int]:
+        costs = {id(c): c for c in self.costs}.values()     # groups may share one model (not hashable)
+        return (sum(getattr(c, "beyond_steps", 0) for c in costs), sum(getattr(c, "floored_steps", 0) for c in costs))
 
     def _cost_range(self, beyond0: tuple[int, int]) -> dict:
         """How many steps a fitted cost model priced past its profiled range in this run, and
@@ -407,8 +448,9 @@ class Simulator:
         prof = getattr(self.cost, "profiled_tokens", None)
         if prof is None:
             return {}
-        return {"profiled_tokens": list(prof), "steps_beyond": self.cost.beyond_steps - beyond0[0],
-                "steps_at_roofline_floor": self.cost.floored_steps - beyond0[1],
+        now = self._beyond_counts()
+        return {"profiled_tokens": list(prof), "steps_beyond": now[0] - beyond0[0],
+                "steps_at_roofline_floor": now[1] - beyond0[1],
                 "floor": "roofline" if getattr(self.cost, "floor", None) else "none"}
 
     def _result(self, records: list, bounds: Optional[HitRateBounds], wall: float,
@@ -417,10 +459,10 @@ class Simulator:
         ts, peak = self._timeseries()
         stats = [rep.sched.stats() for rep in self.replicas]
         batches = [b for rep in self.replicas for b in (rep.batches or [])]
-        routing = dict(self._router[1].reasons) if self._router is not None else {}
+        routing = self._router.reasons if self._router is not None else {}
         return SimResult(
             records=records, stats=self.stats, timeseries=ts,
-            kv_capacity_tokens=self.kv_capacity * cfg.replicas, kv_peak_used_tokens=peak,
+            kv_capacity_tokens=self.kv_capacity_total, kv_peak_used_tokens=peak,
             prefix_query_tokens=sum(s.prefix_query_tokens for s in stats),
             prefix_hit_tokens=sum(s.prefix_hit_tokens for s in stats),
             preemptions=sum(s.preemptions for s in stats),
@@ -429,16 +471,8 @@ class Simulator:
             batches=batches, replica_stats=stats, replicas=[r.counters() for r in self.replicas],
             routing=routing, hit_rate_bounds=bounds.result() if bounds is not None else {},
             rejections=dict(sorted(self.rejections.items())), cost_range=self._cost_range(beyond0),
-            max_model_len=self.max_model_len)
-
-    def _drop_route(self, req_id: str, ridx: int) -> None:
-        if self._router is None:
-            return
-        R, policy, states = self._router
-        rr = self._routes.pop(req_id, None)
-        states[ridx].in_flight -= 1
-        if rr is not None:
-            policy.on_finish(rr, states[ridx], 0)
+            max_model_len=self.max_model_len, fleet=self.fleet,
+            disagg=self._disagg.summary() if self._disagg is not None else {})
 
     def _timeseries(self) -> tuple[dict, int]:
         """The replicas' thinned series summed on the union of their times; the
@@ -460,7 +494,7 @@ class Simulator:
         if alls.size > 4000:
             sel = np.linspace(0, alls.size - 1, 4000).astype(int)
             alls, cols = alls[sel], cols[:, sel]
-        cap = self.kv_capacity * len(reps)
+        cap = self.kv_capacity_total
         return ({"t": alls.tolist(), "kv_used": cols[0].tolist(), "kv_cached": cols[1].tolist(),
                  "kv_capacity": [cap] * alls.size, "running": cols[2].tolist(), "waiting": cols[3].tolist()},
                 peak)
