@@ -112,3 +112,25 @@ def test_timeline_draws_requests_that_waited_on_the_client_side():
     # a record with server-side intervals is drawn as recorded
     full = records()[0]
     assert intervals_of(full) == full.intervals
+
+
+def test_latency_percentiles_over_time_follow_a_change_in_ttft():
+    from shepherd.bench.stream import RecordStats
+    st = RecordStats()
+    # arrivals 0-10 s wait 0.1 s for their first token, arrivals 10-20 s wait 1 s (one in ten: 10 s)
+    for i, t in enumerate(np.arange(0, 20, 0.1)):
+        ttft = 0.1 if t < 10 else (10.0 if i % 10 == 0 else 1.0)
+        st.add(RequestRecord(req_id=str(i), arrival=float(t), prompt_tokens=10, output_tokens=3,
+                             first_token=t + ttft, token_times=[t + ttft, t + ttft + 0.05, t + ttft + 0.1],
+                             finish=t + ttft + 0.1))
+    t, q = st.percentiles_over_time("ttft", points=4)
+    first = t < 9
+    late = (t > 11) & (t < 20)
+    assert first.any() and late.any()
+    # to within a bucket (25%)
+    assert np.allclose(q[50][first], 0.1, rtol=0.25) and np.allclose(q[90][first], 0.1, rtol=0.25)
+    assert np.allclose(q[50][late], 1.0, rtol=0.25)
+    assert np.allclose(q[99][late], 10.0, rtol=0.25)           # the slow tenth
+    assert np.isnan(q[50][t > 22]).all()                       # the drain after the last arrival: none
+    _, tp = st.percentiles_over_time("tpot", points=4)
+    assert np.allclose(tp[50][first], 0.05, rtol=0.25)

@@ -34,6 +34,26 @@ RECENT_RECORDS = 150
 PENDING_RECORDS = 256      # token times are binned and pooled this many records at a time
 
 
+# latency percentiles over time: each completed request's TTFT and TPOT counted, at its arrival,
+# in one of LAT_BUCKETS geometric buckets (ratio LAT_RATIO from LAT_MIN s: 1 ms to ~30 min), so a
+# percentile per time bin costs buckets x bins of memory, not one value per request
+LAT_MIN = 1e-3
+LAT_RATIO = 1.25
+LAT_BUCKETS = 64
+
+
+def lat_bucket(v: float) -> int:
+    if not v > LAT_MIN:
+        return 0
+    return min(LAT_BUCKETS - 1, int(math.log(v / LAT_MIN) / math.log(LAT_RATIO)) + 1)
+
+
+def bucket_value(k: np.ndarray) -> np.ndarray:
+    """A bucket's representative latency: the geometric middle of its edges (bucket 0: LAT_MIN)."""
+    k = np.asarray(k, dtype=np.float64)
+    return np.where(k <= 0, LAT_MIN, LAT_MIN * LAT_RATIO ** (k - 0.5))
+
+
 def tpot_of(r: RequestRecord) -> Optional[float]:
     if r.output_tokens < 2 or r.first_token is None:
         return None
@@ -224,6 +244,10 @@ class RecordStats:
         self.ttft.append(ttft)
         self.tpot.append(math.nan if tp is None else tp)
         self.e2e.append(r.e2e)
+        if not math.isnan(ttft):
+            self._bins.add1(f"ttft_h/{lat_bucket(ttft)}", r.arrival)
+        if tp is not None:
+            self._bins.add1(f"tpot_h/{lat_bucket(tp)}", r.arrival)
         c.completed += 1
         if r.first_token is not None:
             c.ttft.append(ttft)
@@ -234,6 +258,31 @@ class RecordStats:
         c.output_tokens += r.output_tokens
         self.in_tok += r.prompt_tokens
         self.out_tok += r.output_tokens
+
+    def percentiles_over_time(self, name: str, qs=(50, 90, 99), points: int = 60):
+        """(bin middles, {q: latency}) of `name` ("ttft" or "tpot") by arrival time, in at most
+        `points` bins: each percentile read from the bin's bucket counts (to within a bucket,
+        25%); NaN where a bin has no completed request."""
+        b = self.bins
+        b.flush()
+        end = max(self.end, self.start + 1e-6)
+        nb = min(b.max_bins, int(end / b.width) + 1)
+        group = max(1, -(-nb // points))
+        counts = np.zeros((LAT_BUCKETS, -(-nb // group)))
+        for k in range(LAT_BUCKETS):
+            s = b.series.get(f"{name}_h/{k}")
+            if s is not None:
+                v = s[:nb]
+                counts[k] = np.add.reduceat(v, np.arange(0, nb, group))
+        edges = b.edges()
+        mids = (edges[0:nb:group] + np.minimum(edges[0:nb:group] + group * b.width, end)) / 2
+        total = counts.sum(axis=0)
+        cum = np.cumsum(counts, axis=0)
+        out = {}
+        for q in qs:
+            k = np.argmax(cum >= (q / 100.0) * total, axis=0)
+            out[q] = np.where(total > 0, bucket_value(k), np.nan)
+        return mids, out
 
     @property
     def itl(self) -> np.ndarray:
