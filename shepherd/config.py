@@ -13,6 +13,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "lof", "random", "lpm", "dfs-weight", "priority", "vtc")
 VICTIMS = ("last", "fewest-output", "lowest-priority")
 SPEC_METHODS = ("ngram", "draft_model")
+ADAPTER_POLICIES = ("fit", "rotate")
+VTC_UNITS = ("client", "adapter")
 
 
 class ConfigError(ValueError):
@@ -125,6 +127,15 @@ class SchedulerConfig:
     lookahead: int = 8                   # waiting requests examined past a head that does not fit
     vtc_input_weight: float = 1.0
     vtc_output_weight: float = 2.0
+    vtc_unit: str = "client"             # whose counters vtc keeps: the client's, or the LoRA adapter's
+    # LoRA adapters (docs/SCHEDULING.md "Adapters"): at most max_loras distinct adapters run in one
+    # step, and as many are resident in the executor's adapter slots. fit: a request whose adapter
+    # cannot get a slot is skipped (vLLM), an aged one stops admission until a slot frees; rotate:
+    # LoRAX's active set, which admits only its adapters' requests and hands an adapter's place to
+    # a waiting one after adapter_cycle_time seconds.
+    max_loras: int = 8
+    adapter_policy: str = "fit"
+    adapter_cycle_time: float = 2.0
     seed: int = 0                        # for --policy random
     # test switch: force a preemption of one running request every k steps (0 = off)
     debug_preempt_every: int = 0
@@ -141,8 +152,14 @@ class SchedulerConfig:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.victim not in VICTIMS:
             raise ConfigError(f"victim must be one of {VICTIMS}, got {self.victim!r}")
+        if self.adapter_policy not in ADAPTER_POLICIES:
+            raise ConfigError(f"adapter_policy must be one of {ADAPTER_POLICIES}, got {self.adapter_policy!r}")
+        if self.vtc_unit not in VTC_UNITS:
+            raise ConfigError(f"vtc_unit must be one of {VTC_UNITS}, got {self.vtc_unit!r}")
+        if not self.adapter_cycle_time > 0:
+            raise ConfigError(f"adapter_cycle_time must be > 0 seconds, got {self.adapter_cycle_time}")
         for name in ("max_total_tokens", "max_batch_size", "max_num_tokens", "page_size",
-                     "max_concurrency", "max_queue", "multi_step"):
+                     "max_concurrency", "max_queue", "multi_step", "max_loras"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_first_prefill_every > 0 and self.multi_step > 1:
@@ -233,6 +250,30 @@ class KVEventsConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters the engine serves beside its base model (docs/SERVING.md "LoRA adapters").
+    How many are resident at once is the scheduler's max_loras."""
+    enabled: bool = False                 # adapter slots exist (--enable-lora, implied by --lora-modules)
+    modules: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder, loaded at start
+    max_cpu_loras: int = 0                # adapters kept in host memory; 0 = max(max_loras, modules)
+    max_lora_rank: int = 16
+
+    def validate(self, max_loras: int) -> "LoraConfig":
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras and self.max_cpu_loras < max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({max_loras}): "
+                              "an adapter in a slot is also kept in host memory")
+        if self.max_cpu_loras < 0:
+            raise ConfigError(f"max_cpu_loras must be >= 0, got {self.max_cpu_loras}")
+        return self
+
+    def host_adapters(self, max_loras: int) -> int:
+        """Adapters kept in host memory (the others are read from disk again when needed)."""
+        return self.max_cpu_loras or max(max_loras, len(self.modules))
+
+
+@dataclass
 class EngineConfig:
     model: Optional[str] = None                   # path to .gguf or a HF folder; None = the default SmolLM2
     dtype: str = "bfloat16"
@@ -249,6 +290,7 @@ class EngineConfig:
     log_every_steps: int = 40                     # decode log line cadence
     kv_events: Optional[KVEventsConfig] = None    # publish prefix-cache changes (vLLM's KV events)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

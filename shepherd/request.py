@@ -64,6 +64,7 @@ class Request:
     # leading tokens whose KV arrives with the request, computed elsewhere (a prefill replica of
     # a disaggregated fleet): its first admission allocates their KV without computing it
     kv_ready: int = 0
+    adapter: Optional[str] = None     # the LoRA adapter it runs with (OpenAI `model`); None: the base model
 
     # --- owned by the scheduler ---
     state: RequestState = RequestState.WAITING

@@ -13,7 +13,10 @@ these messages and never reads the scheduler's:
   - requests that ended are listed by id in `finished`: the executor forgets
     them (a preempted request is not listed: its sampling state lives on, and
     its slot table is rebuilt when it runs again);
-  - swaps move KV between the device pool and the host pool.
+  - swaps move KV between the device pool and the host pool;
+  - LoRA loads put an adapter's weights into one of the executor's adapter
+    slots before the forward (the scheduler decides which adapters are
+    resident, as it decides which KV slots are used).
 
 Speculative decoding rides on the same messages: a StepResult may carry
 drafts (proposed next tokens) per request; the scheduler feeds some of them
@@ -41,6 +44,7 @@ class NewRequest:
     prompt_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    adapter: Optional[str] = None      # the LoRA adapter the request runs with (None: the base model)
 
 
 @dataclass(slots=True)
@@ -89,6 +93,14 @@ class SwapOp:
     slots: list[int]
 
 
+@dataclass(slots=True)
+class LoraLoad:
+    """Load adapter `name` into adapter slot `slot` (replacing whatever was there) before the
+    forward. The scheduler never replaces an adapter that a request of this step runs with."""
+    slot: int
+    name: str
+
+
 @dataclass
 class ScheduledBatch:
     step: int
@@ -97,6 +109,7 @@ class ScheduledBatch:
     swap_out: list[SwapOp] = field(default_factory=list)   # done before the forward
     swap_in: list[SwapOp] = field(default_factory=list)    # done before the forward, after swap_out
     finished: list[str] = field(default_factory=list)      # req ids that ended: forget them (first)
+    lora_loads: list[LoraLoad] = field(default_factory=list)   # done before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +118,7 @@ class ScheduledBatch:
     @property
     def empty(self) -> bool:
         """Nothing to run: the executor is not called, and `finished` waits for a batch that runs."""
-        return not self.seqs and not self.swap_out and not self.swap_in
+        return not self.seqs and not self.swap_out and not self.swap_in and not self.lora_loads
 
 
 @dataclass

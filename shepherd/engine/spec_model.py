@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from shepherd.config import ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from shepherd.config import LoraConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
 from shepherd.model.sampler import SamplingState
 from shepherd.request import SamplingParams
 from shepherd.scheduler.kv_pool import KVPool
@@ -46,7 +46,9 @@ class DraftModelDrafter:
     def __init__(self, spec: SpeculativeConfig, cfg: EngineConfig, target):
         cap = min(int(target.kv_capacity), 1 << 16)
         dcfg = dataclasses.replace(cfg, model=spec.model or cfg.model, quantization=spec.quantization or "none",
-                                   max_total_tokens=cap, host_kv_tokens=0, scheduler=SchedulerConfig())
+                                   max_total_tokens=cap, host_kv_tokens=0, scheduler=SchedulerConfig(),
+                                   lora=LoraConfig())     # drafts come from the base model
+
         # an executor of the target's own class (the executor builds its drafter: no import back)
         self.model = type(target)(dcfg)
         if self.model.model_config.vocab_size != target.model_config.vocab_size:

@@ -22,11 +22,12 @@ import torch
 from shepherd.config import ConfigError, EngineConfig, host_pool_tokens
 from shepherd.model.llama import AttnGroup, LlamaModel, StepInput
 from shepherd.model.loader import LoadedModel, load_model, model_name_for
+from shepherd.model.lora import LoraPool, LoraRegistry
 from shepherd.model.grammar import GrammarMasks
 from shepherd.model.sampler import Sampler, SamplingState
 from shepherd.scheduler.kv_pool import pages_for
 from shepherd.engine.drafter import make_drafter
-from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult
+from shepherd.step import LoraLoad, NewRequest, ScheduledBatch, ScheduledSeq, StepResult
 
 log = logging.getLogger("shepherd")
 
@@ -63,6 +64,8 @@ def _to_device(inp: StepInput, dev: torch.device) -> StepInput:
         g.token_index, g.gather, g.mask = mv(g.token_index), mv(g.gather), mv(g.mask)
     for name in ("input_ids", "positions", "write_index", "logits_index"):
         setattr(inp, name, mv(getattr(inp, name)))
+    if inp.lora_rows is not None:     # the torch path's per-slot row indices
+        inp.lora_rows.by_slot = {s: mv(t) for s, t in inp.lora_rows.by_slot.items()}
     return inp
 
 
@@ -108,11 +111,12 @@ def _round_up(x: int, m: int) -> int:
 
 class _ReqState:
     """What the executor keeps of one request: the sampler's record, its slot table (position
-    -> KV slot) and that table as a tensor, copied up to n_slots."""
-    __slots__ = ("seq", "slots", "slots_t", "n_slots")
+    -> KV slot) and that table as a tensor, copied up to n_slots, and its LoRA adapter's name."""
+    __slots__ = ("seq", "slots", "slots_t", "n_slots", "adapter")
 
-    def __init__(self, seq: SamplingState):
+    def __init__(self, seq: SamplingState, adapter: Optional[str] = None):
         self.seq = seq
+        self.adapter = adapter
         self.slots: list[int] = []
         self.slots_t = torch.empty(0, dtype=torch.long)
         self.n_slots = 0
@@ -194,6 +198,7 @@ class TorchExecutor:
         self.sampler.grammar = GrammarMasks(self.tokenizer, vocab_size=mcfg.vocab_size)
         self.drafter = make_drafter(cfg.scheduler.speculative, cfg, self)
         self.reqs: dict[str, _ReqState] = {}
+        self._init_lora(cfg, mcfg)
         self._arange = torch.arange(max(self.max_model_len, 1) + kv_block, dtype=torch.long)
         self._zeros = torch.zeros(16, dtype=torch.long)
         self._scratch = torch.full((16,), cap, dtype=torch.long)
@@ -206,6 +211,75 @@ class TorchExecutor:
         log.info("KV cache: %d tokens (%.1f MiB, %d bytes/token); host swap pool: %d tokens",
                  cap, cap * per_tok / 2**20, per_tok, self.host_kv_capacity)
         self._probe_gemm()
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def _init_lora(self, cfg: EngineConfig, mcfg) -> None:
+        """The adapter slots (cfg.scheduler.max_loras of them, as the scheduler keeps them
+        resident) and the registry, with the --lora-modules adapters registered."""
+        self.lora: Optional[LoraPool] = None
+        self.lora_registry: Optional[LoraRegistry] = None
+        self.lora_slot_of: dict[str, int] = {}       # resident adapter -> its slot (from batch.lora_loads)
+        self.lora_loads = 0
+        self.lora_load_s = 0.0
+        lc = cfg.lora
+        if not (lc.enabled or lc.modules):
+            return
+        slots = cfg.scheduler.max_loras
+        lc.validate(slots)
+        if self.quantization == "w8a8":
+            raise ConfigError("LoRA adapters cannot run on --quantization w8a8 (its smoothing rescales the inputs "
+                              "the adapters read); use none, int8 or int4")
+        self.lora = LoraPool(mcfg, slots, lc.max_lora_rank, self.device)
+        self.model.lora = self.lora
+        self.lora_registry = LoraRegistry(mcfg, lc.max_lora_rank, lc.host_adapters(slots))
+        for name, path in lc.modules.items():
+            self.lora_registry.register(name, path)
+        log.info("LoRA: %d adapter slots, rank <= %d (%.1f MiB), %d adapters kept in host memory, %d registered",
+                 slots, lc.max_lora_rank, self.lora.nbytes / 2**20, self.lora_registry.host_capacity,
+                 len(lc.modules))
+
+    def register_lora(self, name: str, path: str) -> None:
+        """Serve a PEFT adapter folder under `name` (model.lora.LoraError if it cannot be)."""
+        if self.lora_registry is None:
+            raise ConfigError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.lora_registry.register(name, path)
+
+    def unregister_lora(self, name: str) -> None:
+        """Forget an adapter; the scheduler has made sure no request runs with it."""
+        if self.lora_registry is not None:
+            self.lora_registry.unregister(name)
+        slot = self.lora_slot_of.pop(name, None)
+        if slot is not None:
+            self.lora.clear(slot)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.lora_registry is None else self.lora_registry.names()
+
+    def _load_lora(self, ld: LoraLoad) -> None:
+        t0 = time.perf_counter()
+        if self.lora is None:
+            raise ExecutorError(f"LoRA load of {ld.name!r}: this executor has no adapter slots")
+        old = self.lora.names[ld.slot]
+        if old is not None:
+            self.lora_slot_of.pop(old, None)
+        self.lora.load(ld.slot, self.lora_registry.get(ld.name))
+        self.lora_slot_of[ld.name] = ld.slot
+        self.lora_loads += 1
+        self.lora_load_s += time.perf_counter() - t0
+
+    def _row_slots(self, sts: list[_ReqState], rows: list[int]) -> list[int]:
+        """Per row of the step, its adapter's slot (-1: the base model), from each seq's rows."""
+        out: list[int] = []
+        for st, n in zip(sts, rows):
+            if st.adapter is None:
+                out.extend([-1] * n)
+                continue
+            slot = self.lora_slot_of.get(st.adapter)
+            if slot is None:
+                raise ExecutorError(f"{st.seq.req_id}: scheduled with adapter {st.adapter!r}, which is not "
+                                    f"in an adapter slot")
+            out.extend([slot] * n)
+        return out
 
     # ------------------------------------------------------------------ invariance probe
     def _probe_gemm(self) -> None:
@@ -244,6 +318,8 @@ class TorchExecutor:
             self._swap_out(op.req_id, op.slots)
         for op in batch.swap_in:
             self._swap_in(op.req_id, op.slots)
+        for ld in batch.lora_loads:
+            self._load_lora(ld)
         res = StepResult()
         if batch.seqs:
             with torch.inference_mode():
@@ -257,7 +333,9 @@ class TorchExecutor:
 
     def add(self, new: NewRequest) -> None:
         """A request seen for the first time (execute does this for batch.new)."""
-        self.reqs[new.req_id] = _ReqState(self.sampler.add(new))
+        if new.adapter is not None and self.lora is None:
+            raise ExecutorError(f"{new.req_id}: adapter {new.adapter!r} asked of an executor without LoRA slots")
+        self.reqs[new.req_id] = _ReqState(self.sampler.add(new), new.adapter)
 
     # ------------------------------------------------------------------ host pool
     def _swap_out(self, req_id: str, slots: list[int]) -> None:
@@ -324,8 +402,10 @@ class TorchExecutor:
         tab_parts = []
         logits_rows: list[int] = []
         sampled: list[_ReqState] = []
+        fed: list[tuple[_ReqState, int]] = []
         row = tab = max_ctx = 0
         for s, st, n, ctx, sl in self._rows(seqs):
+            fed.append((st, n))
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, ctx))
             write.extend(st.slots[s.start_pos: ctx])
@@ -356,8 +436,15 @@ class TorchExecutor:
                         logits_index=None if len(logits_rows) == T else long(logits_rows),
                         num_tokens=T, slots=long(write),
                         slot_tab=torch.cat(tab_parts) if len(tab_parts) > 1 else tab_parts[0].clone(),
-                        row_off=long(off), row_ctx=long(rctx), max_ctx=max_ctx)
+                        row_off=long(off), row_ctx=long(rctx), max_ctx=max_ctx, lora_rows=self._lora_rows(fed))
         return inp, sampled
+
+    def _lora_rows(self, fed: list[tuple[_ReqState, int]]):
+        """The step's LoRA rows (model/lora.py LoraRows), None when no request fed has an adapter;
+        padding rows come after the fed ones and run on the base model."""
+        if self.lora is None or not any(st.adapter is not None for st, _ in fed):
+            return None
+        return LoraPool.rows(self._row_slots([st for st, _ in fed], [n for _, n in fed]))
 
     def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[_ReqState]]:
         if self.model.kernels is not None:
@@ -376,8 +463,10 @@ class TorchExecutor:
         dec_slots: list[torch.Tensor] = []
         dec_ctx: list[int] = []
         prefills = []
+        fed: list[tuple[_ReqState, int]] = []
         row = 0
         for s, st, n, ctx, sl in self._rows(seqs):
+            fed.append((st, n))
             ids.extend(s.token_ids)
             pos_parts.append(self._arange[s.start_pos: ctx])
             write_parts.append(sl[s.start_pos: ctx])
@@ -407,7 +496,7 @@ class TorchExecutor:
             write_index=(head_off + write.view(1, -1)).view(-1),
             groups=groups,
             logits_index=None if len(logits_rows) == T else torch.tensor(logits_rows, dtype=torch.long),
-            num_tokens=T,
+            num_tokens=T, lora_rows=self._lora_rows(fed),
         )
         return inp, sampled
 

@@ -21,6 +21,7 @@
 #include "kernel_abi.h"
 
 #define LANES 16
+#define LORA_RB 4      /* rows of one adapter per LoRA item (model/lora.py makes the items) */
 
 static inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t f2bf(float f) {
@@ -713,8 +714,14 @@ KERNEL(void, forward_bf16, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *
        uint16_t *att, uint16_t *gu, uint16_t *act, uint16_t *tmp, float *xf, int64_t M, int64_t D, int64_t H,
        int64_t KVH, int64_t hd, int64_t I, const int64_t *pos, const float *cos_t, const float *sin_t,
        uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots, const int64_t *slot_tab,
-       const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, float eps, int dp) {
+       const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, float eps, int dp,
+       const int64_t *lora, int64_t lora_slots, const int64_t *lrows, const int64_t *litems, const int64_t *lslot,
+       int64_t nitems) {
     const int64_t W = (H + 2 * KVH) * hd, npad = (max_ctx + 15) / 16 * 16;
+    /* lora (NULL: no row of the step has an adapter): the records, [L][LL_N][lora_slots][LR_N];
+     * each linear's update is added to its output before the op that reads it */
+#define LORA(ll, xin, K, yout, ldy) \
+    if (lora) lora_items_bf16(xin, K, yout, ldy, lora + ((l * LL_N + (ll)) * lora_slots) * LR_N, lrows, litems, lslot, nitems)
     #pragma omp parallel
     {
         float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(H / KVH * npad + 16));
@@ -723,21 +730,26 @@ KERNEL(void, forward_bf16, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *
             uint16_t *pl = pool + l * layer_elems;
             const uint16_t *ln2 = PTR(const uint16_t *, p[LW_LN2]), *ln1 = PTR(const uint16_t *, p[LW_LN1_NEXT]);
             mm_in_region(h, xf, M, D, p[LW_QKV], W, p[LW_QKV_B], qkv, dp);
+            LORA(LL_QKV, h, D, qkv, W);
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) rope_kv_row_bf16(r, qkv, H, KVH, hd, pos, cos_t, sin_t, pl, cap1, slots);
             attention_items_bf16(sc, npad, qkv, W, pl, cap1, att, M, H, KVH, hd, slot_tab, off, ctx, scale);
             mm_in_region(att, xf, M, H * hd, p[LW_O], D, 0, tmp, dp);
+            LORA(LL_O, att, H * hd, tmp, D);
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) rmsnorm_row_bf16(r, x, tmp, x, ln2, h, D, eps);
             mm_in_region(h, xf, M, D, p[LW_GU], 2 * I, 0, gu, dp);
+            LORA(LL_GU, h, D, gu, 2 * I);
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) silu_mul_row_bf16(r, gu, act, I);
             mm_in_region(act, xf, M, I, p[LW_DOWN], D, 0, tmp, dp);
+            LORA(LL_DOWN, act, I, tmp, D);
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) rmsnorm_row_bf16(r, x, tmp, x, ln1, ln1 ? h : NULL, D, eps);
         }
         free(sc);
     }
+#undef LORA
 }
 #undef PTR
 #endif

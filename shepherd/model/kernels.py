@@ -145,6 +145,7 @@ class Kernels:
         self._rope = getattr(lib, f"rope_kv_{suf}")
         self._silu = getattr(lib, f"silu_mul_{suf}")
         self._attn = getattr(lib, f"attention_{suf}")
+        self._lora = getattr(lib, f"lora_{suf}")
         self._quant = getattr(lib, f"quant_rows_{suf}")
         self._dequant = {dtype: getattr(lib, f"dequant_{suf}"), torch.float32: lib.dequant_f32}
         self.w4a8 = dtype == torch.bfloat16 and bool(lib.has_w4a8())   # int4 x int8 on VNNI
@@ -169,10 +170,11 @@ class Kernels:
         return torch.tensor(rows, dtype=torch.int64)
 
     def forward_layers(self, *, lw, x, h, H, KVH, hd, I, pos, cos, sin, kv_pool, slots, slot_tab, off, ctx,
-                       max_ctx, scale, eps) -> None:
+                       max_ctx, scale, eps, lora=None, lora_rows=None) -> None:
         """All layers at once (kernels.c forward_bf16): x [T, D] is updated in place to the residual
         stream after the last layer; h [T, D] holds rmsnorm(x) * ln1 of layer 0 on entry (scratch
-        after). lw: layer_weights' table."""
+        after). lw: layer_weights' table. lora: the LoRA records [L, linears, slots, fields]
+        (model/lora.py) and lora_rows the step's LoraRows, or None (no row has an adapter)."""
         T, D = x.shape
         W = (H + 2 * KVH) * hd
         e = lambda n: torch.empty((T, n), dtype=torch.bfloat16)
@@ -182,7 +184,12 @@ class Kernels:
         self.lib.forward_bf16(L=kv_pool.shape[0], lw=lw, x=x, h=h, qkv=qkv, att=att, gu=gu, act=act, tmp=tmp, xf=xf,
                               M=T, D=D, H=H, KVH=KVH, hd=hd, I=I, pos=pos, cos_t=cos, sin_t=sin, pool=kv_pool,
                               layer_elems=kv_pool[0].numel(), cap1=kv_pool.shape[2], slots=slots, slot_tab=slot_tab,
-                              off=off, ctx=ctx, max_ctx=max_ctx, scale=scale, eps=eps, dp=int(dp))
+                              off=off, ctx=ctx, max_ctx=max_ctx, scale=scale, eps=eps, dp=int(dp),
+                              lora=None if lora_rows is None else lora, lora_slots=0 if lora is None else lora.shape[2],
+                              lrows=None if lora_rows is None else lora_rows.lrows,
+                              litems=None if lora_rows is None else lora_rows.litems,
+                              lslot=None if lora_rows is None else lora_rows.lslot,
+                              nitems=0 if lora_rows is None else lora_rows.nitems)
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
         """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""
@@ -208,6 +215,12 @@ class Kernels:
         self._attn(q=qkv, q_stride=qkv.shape[1], pool=pool_layer, cap1=pool_layer.shape[1], out=out, rows=rows, H=H,
                    KVH=KVH, hd=hd, slot_tab=slot_tab, off=off, ctx=ctx, max_ctx=max_ctx, scale=scale)
         return out
+
+    def lora(self, x, y, rec, rows) -> None:
+        """y [T, N] += each adapter row's LoRA update, in place (model/lora.py): x [T, K] is the
+        linear's input, rec the linear's records (one per adapter slot), rows the step's LoraRows."""
+        self._lora(x=x, K=x.shape[1], y=y, ldy=y.shape[1], rec=rec, lrows=rows.lrows, litems=rows.litems,
+                   lslot=rows.lslot, nitems=rows.nitems)
 
     def quant_rows(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> int8 [M, K] and float32 scales [M] (one per row)."""

@@ -172,3 +172,71 @@ void FN(attention_ref)(const T *q, int64_t q_stride, const T *pool, int64_t cap1
         free(sc);
     }
 }
+
+/* ---------------------------------------------------------------- LoRA (model/lora.py)
+ * One item = up to LORA_RB rows of one adapter slot (lrows[litems[i] .. litems[i+1])); its record
+ * `rec` (kernel_abi.LORA_RECORD) holds the slot's float32 A rows and B^T parts for one linear layer.
+ * y[row][off + c] = T(y + sum_j s_j B^T[j][c]) with s = x[row] . A^T: the shrink sums K in LANES
+ * partial sums and a fixed tree, the expand sums the rank in order, all in float32 and per row, so
+ * a row's bits do not depend on the rows beside it (its item, its step): the batch-invariant rule.
+ * PEFT's order of roundings: the base output is rounded already, the update is added in float32
+ * and the sum rounded once. */
+static void FN(lora_item)(const T *x, int64_t K, T *y, int64_t ldy, const int64_t *rec,
+                          const int64_t *rows, int64_t n) {
+    const float *A = (const float *)(intptr_t)rec[LR_A];
+    const int64_t R = rec[LR_RANK], np = rec[LR_PARTS];
+    float xf[LORA_RB][K], s[LORA_RB][R];
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t k = 0; k < K; k++) xf[i][k] = LD(x[rows[i] * K + k]);
+    for (int64_t j = 0; j < R; j++) {   /* each A row is read once for the item's rows */
+        const float *a = A + j * K;
+        for (int64_t i = 0; i < n; i++) {
+            float acc[LANES] = {0}, t = 0.f;
+            int64_t k = 0;
+            for (; k + LANES <= K; k += LANES)
+                for (int l = 0; l < LANES; l++) acc[l] += xf[i][k + l] * a[k + l];
+            for (; k < K; k++) t += xf[i][k] * a[k];
+            s[i][j] = hsum(acc) + t;
+        }
+    }
+    for (int64_t p = 0; p < np; p++) {
+        const int64_t *f = rec + LR_B0 + p * LR_PART;
+        const float *Bt = (const float *)(intptr_t)f[0];
+        const int64_t off = f[1], N = f[2], roff = f[3], r = f[4];
+        int64_t c = 0;
+        for (; c + LANES <= N; c += LANES)
+            for (int64_t i = 0; i < n; i++) {
+                float acc[LANES] = {0};
+                for (int64_t j = 0; j < r; j++) {
+                    const float sj = s[i][roff + j], *b = Bt + j * N + c;
+                    for (int l = 0; l < LANES; l++) acc[l] += sj * b[l];
+                }
+                T *yr = y + rows[i] * ldy + off + c;
+                for (int l = 0; l < LANES; l++) yr[l] = ST(LD(yr[l]) + acc[l]);
+            }
+        for (; c < N; c++)
+            for (int64_t i = 0; i < n; i++) {
+                float acc = 0.f;
+                for (int64_t j = 0; j < r; j++) acc += s[i][roff + j] * Bt[j * N + c];
+                T *yr = y + rows[i] * ldy + off + c;
+                *yr = ST(LD(*yr) + acc);
+            }
+    }
+}
+
+/* the items of one linear layer's LoRA, shared out by an orphaned `omp for` (lora's own region,
+ * or forward_bf16's); rec: the layer-linear's records, one per adapter slot */
+static void FN(lora_items)(const T *x, int64_t K, T *y, int64_t ldy, const int64_t *rec, const int64_t *lrows,
+                           const int64_t *litems, const int64_t *lslot, int64_t nitems) {
+    #pragma omp for schedule(static)
+    for (int64_t it = 0; it < nitems; it++) {
+        const int64_t *rc = rec + lslot[it] * LR_N;
+        if (rc[LR_A]) FN(lora_item)(x, K, y, ldy, rc, lrows + litems[it], litems[it + 1] - litems[it]);
+    }
+}
+
+KERNEL(void, FN(lora), const T *x, int64_t K, T *y, int64_t ldy, const int64_t *rec, const int64_t *lrows,
+       const int64_t *litems, const int64_t *lslot, int64_t nitems) {
+    #pragma omp parallel if(nitems > 1)
+    FN(lora_items)(x, K, y, ldy, rec, lrows, litems, lslot, nitems);
+}

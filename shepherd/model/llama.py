@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from shepherd.config import ModelConfig
+from shepherd.model.lora import LoraPool, LoraRows
 from shepherd.model.quant import QLinear, cat_rows, dequantize, quantize_int8
 
 
@@ -102,6 +103,7 @@ class StepInput:
     row_off: Optional[torch.Tensor] = None    # [T] long
     row_ctx: Optional[torch.Tensor] = None    # [T] long
     max_ctx: int = 0
+    lora_rows: Optional[LoraRows] = None      # the rows that run with a LoRA adapter; None: none does
 
 
 class Linear:
@@ -197,6 +199,7 @@ class LlamaModel:
         self.attn_min_rows = 1 if dtype == torch.bfloat16 else 8
         self.row_tile = 0
         self.whole_forward = True   # False: one kernel call per op even where forward_layers applies
+        self.lora: Optional[LoraPool] = None   # the executor's adapter slots, when it serves LoRA adapters
         esz = torch.empty((), dtype=dtype).element_size()
         self._word = torch.int64 if (self.hd * esz) % 8 == 0 else dtype
         W = weights
@@ -297,7 +300,7 @@ class LlamaModel:
         word = self._word
         for li, L in enumerate(self.layers):
             h = self.rms_norm(x, L["ln1"])
-            qkv = L["qkv"](h)                                             # [T, q | k | v]
+            qkv = self._lora(li, "qkv", h, L["qkv"](h), inp)             # [T, q | k | v]
             qk = qkv[:, : qs + ks].view(T, H + KVH, hd)
             qk.copy_(torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin))   # RoPE (rotate-half), in place
             # this step's K and V rows -> their slots (copied as int64 words: index_copy_ and
@@ -306,10 +309,12 @@ class LlamaModel:
             kvp.index_copy_(0, inp.write_index, qkv[:, qs:].view(T, 2 * KVH, hd).transpose(0, 1)
                             .reshape(2 * KVH * T, hd).view(word))
             attn = self.attention(qkv[:, :qs].view(T, H, hd), kvp, inp.groups, T)
-            x = x + L["o"](attn)
+            o = self._lora(li, "o", attn, L["o"](attn), inp)
+            x = x + o
             h = self.rms_norm(x, L["ln2"])
-            gu = L["gu"](h)
-            x = x + L["down"](F.silu(gu[:, : self.I]) * gu[:, self.I:])
+            gu = self._lora(li, "gu", h, L["gu"](h), inp)
+            act = F.silu(gu[:, : self.I]) * gu[:, self.I:]
+            x = x + self._lora(li, "down", act, L["down"](act), inp)
         if inp.logits_index is not None:
             x = x.index_select(0, inp.logits_index)
         x = self.rms_norm(x, self.final_norm)
@@ -326,21 +331,31 @@ class LlamaModel:
             k.forward_layers(lw=self.layer_ptrs, x=x, h=h, H=H, KVH=KVH, hd=hd, I=self.I, pos=inp.positions,
                              cos=self.cos_half, sin=self.sin_half, kv_pool=kv_pool, slots=inp.slots,
                              slot_tab=inp.slot_tab, off=inp.row_off, ctx=inp.row_ctx, max_ctx=inp.max_ctx,
-                             scale=self.scale, eps=eps)
+                             scale=self.scale, eps=eps, lora=None if self.lora is None else self.lora.table,
+                             lora_rows=inp.lora_rows)
             return self._logits(x, inp)
         for li, L in enumerate(self.layers):
             pool = kv_pool[li]
-            qkv = L["qkv"](h)
+            qkv = self._lora(li, "qkv", h, L["qkv"](h), inp)
             k.rope_kv(qkv, H, KVH, hd, inp.positions, self.cos_half, self.sin_half, pool, inp.slots)
             attn = k.attention(qkv, pool, H, KVH, hd, inp.slot_tab, inp.row_off, inp.row_ctx, inp.max_ctx,
                                self.scale)
-            k.rmsnorm(x, L["ln2"], eps, delta=L["o"](attn), h=h)
-            d = L["down"](k.silu_mul(L["gu"](h)))
+            k.rmsnorm(x, L["ln2"], eps, delta=self._lora(li, "o", attn, L["o"](attn), inp), h=h)
+            gu = self._lora(li, "gu", h, L["gu"](h), inp)
+            act = k.silu_mul(gu)
+            d = self._lora(li, "down", act, L["down"](act), inp)
             if li + 1 < len(self.layers):
                 k.rmsnorm(x, self.layers[li + 1]["ln1"], eps, delta=d, h=h)
             else:
                 x = x + d
         return self._logits(x, inp)
+
+    def _lora(self, li: int, lin: str, x: torch.Tensor, y: torch.Tensor, inp: StepInput) -> torch.Tensor:
+        """y, the output of layer li's linear `lin` on x, with the LoRA updates of the step's
+        adapter rows added in place (model/lora.py)."""
+        if inp.lora_rows is not None:
+            self.lora.apply(li, lin, x, y, inp.lora_rows, self.kernels)
+        return y
 
     def _logits(self, x: torch.Tensor, inp: StepInput) -> torch.Tensor:
         if inp.logits_index is not None:

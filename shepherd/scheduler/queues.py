@@ -12,7 +12,9 @@ with a move is KVManager's.
     end      any -> gone (FINISHED)
 
 Admissions leave the waiting deque in one pass (close_admissions), not one
-O(queue) removal each: a long queue admits many requests per step.
+O(queue) removal each: a long queue admits many requests per step. The LoRA
+adapters' counts (adapters.py: residency, the active set) hear of every move
+here too.
 """
 from __future__ import annotations
 
@@ -21,13 +23,15 @@ from itertools import islice
 from typing import Iterator, Optional
 
 from shepherd.request import Request, RequestState
+from shepherd.scheduler.adapters import Adapters
 from shepherd.scheduler.policy import Policy
 from shepherd.scheduler.state import Entry
 
 
 class Queues:
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, adapters: Adapters):
         self.policy = policy
+        self.adapters = adapters
         self.entries: dict[str, Entry] = {}
         self.waiting: deque[Entry] = deque()
         self.running: list[Entry] = []
@@ -60,12 +64,15 @@ class Queues:
         self.entries[req.req_id] = e
         self.waiting.append(e)
         self.policy.on_add(e, self.waiting)
+        self.adapters.on_add(req.adapter)
+        self.adapters.on_wait(req.adapter)
         return e
 
     def admit(self, e: Entry, now: float) -> None:
         """waiting -> running (it leaves the waiting deque at close_admissions)."""
         self.policy.on_leave_queue(e, self.waiting)
         self.policy.on_admit(e, not e.admitted_once)
+        self.adapters.on_unwait(e.req.adapter)
         self._admitted.append(e)
         self._run(e, now)
 
@@ -83,19 +90,23 @@ class Queues:
     def unresume(self, e: Entry) -> None:
         """A swap-in of this step taken back: running -> the head of the swapped queue."""
         self.running.remove(e)
+        self.adapters.on_stop(e.req.adapter)
         e.req.state = RequestState.SWAPPED
         self.swapped.appendleft(e)
 
     def requeue(self, e: Entry) -> None:
         """Preempted by recompute: running -> the head of the waiting queue."""
         self.running.remove(e)
+        self.adapters.on_stop(e.req.adapter)
         e.req.state = RequestState.WAITING
         self.waiting.appendleft(e)
         self.policy.on_add(e, self.waiting)
+        self.adapters.on_wait(e.req.adapter)
 
     def swap_out(self, e: Entry) -> None:
         """Preempted by swap: running -> the tail of the swapped queue."""
         self.running.remove(e)
+        self.adapters.on_stop(e.req.adapter)
         e.req.state = RequestState.SWAPPED
         self.swapped.append(e)
 
@@ -103,13 +114,17 @@ class Queues:
         """Out of whichever queue holds it; returns the state it was in."""
         req = e.req
         was = req.state
+        ad = self.adapters
         if was is RequestState.RUNNING:
             self.running.remove(e)
+            ad.on_stop(req.adapter)
         elif was is RequestState.WAITING:
             self.waiting.remove(e)
             self.policy.on_leave_queue(e, self.waiting)
+            ad.on_unwait(req.adapter)
         elif was is RequestState.SWAPPED:
             self.swapped.remove(e)
+        ad.on_end(req.adapter)
         req.state = RequestState.FINISHED
         del self.entries[req.req_id]
         return was
@@ -125,12 +140,17 @@ class Queues:
         self.admissions += 1
         e.admit_seq = self.admissions
         self.running.append(e)
+        self.adapters.on_run(req.adapter)
 
     # ------------------------------------------------------------------ views
     def admission_order(self, step: int, room: int, lookahead: int) -> list[Entry]:
         """The waiting requests one admission attempt examines, in policy order: as many as
         the batch has room for (at least one), plus the look-ahead past heads that do not fit."""
-        return list(islice(self.policy.order(self.waiting, step), max(room, 1) + lookahead + 1))
+        order = self.policy.order(self.waiting, step)
+        ad = self.adapters
+        if ad.filters():     # requests of adapters that cannot run now are passed over (adapters.py)
+            order = (e for e in order if ad.examined(e.req.adapter, step - e.enq_step))
+        return list(islice(order, max(room, 1) + lookahead + 1))
 
     def check(self) -> None:
         assert len(self.entries) == len(self.running) + len(self.waiting) + len(self.swapped)

@@ -41,6 +41,7 @@ from typing import Optional
 
 from shepherd.config import SchedulerConfig
 from shepherd.request import FinishReason, Request, RequestOutput, RequestState, context_error
+from shepherd.scheduler.adapters import Adapters
 from shepherd.scheduler.admission import Admission, AdmissionState, GrowthRatio, make_admission
 from shepherd.scheduler.fast_path import DecodeHorizon
 from shepherd.scheduler.kv_manager import KVManager
@@ -71,7 +72,8 @@ class Scheduler:
                                  config.new_token_ratio_decay_steps)
         self.admission = Admission(self.mode, self.kv, self.ratio, config.reserve_cap_tokens)
         self.policy = make_policy(config, self.kv.tree, self.mode)
-        self.queues = Queues(self.policy)
+        self.adapters = Adapters(config)
+        self.queues = Queues(self.policy, self.adapters)
         self.shape = make_step_shape(config)
         self.preemption = Preemption(config, self.queues, self.kv, self.policy, self.admission, self.ratio,
                                      self._stats)
@@ -205,6 +207,8 @@ class Scheduler:
             e = pol.pick_swap_in(q.swapped, top)
             if e is None or e.req.req_id in just_out:
                 break        # swapped out in this very step: back no earlier than the next one
+            if not self.adapters.can_run(e.req.adapter):
+                break        # its adapter has no slot until a running adapter drains
             own, b, locked = self.kv.swap_need(e)
             if not adm.fits(own, b, locked):
                 break
@@ -233,14 +237,20 @@ class Scheduler:
             blocked_by = None
             if len(q.running) >= cfg.max_batch_size:
                 blocked_by = "batch"
+            elif not self.adapters.admissible(e.req.adapter):
+                blocked_by = "adapter"
             elif not self._admit(e, adm, now, room=budget - used):
                 blocked_by = "kv"
-            if blocked_by is not None and pol.preempts and self.preemption.preempt_for(e, blocked_by, batch):
+            if blocked_by in ("batch", "kv") and pol.preempts and self.preemption.preempt_for(e, blocked_by, batch):
                 adm = self.admission.state(q.running)
                 if len(q.running) < cfg.max_batch_size and self._admit(e, adm, now, room=budget - used):
                     blocked_by = None
             if blocked_by == "batch":
                 break
+            if blocked_by == "adapter":      # the slots filled since the order was taken
+                if self._step - e.enq_step >= cfg.aging_steps:
+                    break            # an aged head is not overtaken: the slots drain until it fits
+                continue
             if blocked_by == "kv":
                 if self._step - e.enq_step >= cfg.aging_steps:
                     break            # an aged head is not overtaken
@@ -262,7 +272,7 @@ class Scheduler:
             return 0
         ids = req.prompt_ids[nc:nc + chunk] if nc + chunk <= len(req.prompt_ids) else req.all_ids[nc:nc + chunk]
         if not e.announced:
-            batch.new.append(NewRequest(req.req_id, req.prompt_ids, req.params, req.eos_token_ids))
+            batch.new.append(NewRequest(req.req_id, req.prompt_ids, req.params, req.eos_token_ids, req.adapter))
             e.announced = True
         slots = req.slots
         last = nc + chunk == total
@@ -282,6 +292,7 @@ class Scheduler:
         self._step += 1
         self._stats.begin_step()
         batch = ScheduledBatch(step=self._step)
+        self.adapters.begin(now)
         self.preemption.debug_preempt(self._step, batch)
         self._try_swap_in(now, batch)   # swapped requests come back before anything new is admitted
 
@@ -383,9 +394,10 @@ class Scheduler:
         self._stats.last_draft_tokens = fed
 
     def _finish_batch(self, batch: ScheduledBatch) -> ScheduledBatch:
-        if not batch.empty:     # an empty batch is not run: the ids wait for one that is
+        if not batch.empty:     # an empty batch is not run: the ids (and slot changes) wait for one that is
             batch.finished = self._finished
             self._finished = []
+            batch.lora_loads = self.adapters.flush()
         self._note_peak()
         return batch
 
