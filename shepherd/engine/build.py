@@ -48,7 +48,9 @@ def build_served_core(cfg: EngineConfig, executor: Optional[Executor] = None,
     info = CoreInfo(kv_capacity=int(cap), host_kv_capacity=int(executor.host_kv_capacity),
                     max_model_len=int(executor.max_model_len),
                     eos_token_ids=tuple(executor.eos_token_ids or tokenizer.eos_token_ids or ()),
-                    model_name=str(executor.model_name or model_name_from_path(cfg.model)))
+                    model_name=str(executor.model_name or model_name_from_path(cfg.model)),
+                    lora_adapters=tuple(getattr(executor, "lora_adapters", lambda: [])()),
+                    lora_enabled=getattr(executor, "lora", None) is not None)
     kv_events = None
     if cfg.kv_events is not None and cfg.kv_events.enabled:
         from shepherd.kv_events.publisher import KVEventPublisher

@@ -37,6 +37,10 @@ WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE
 
 # intake items (tuples: cheap to pickle)
 ADD, ABORT, FINISH, SHUTDOWN = "add", "abort", "finish", "shutdown"
+# LoRA adapters at run time: (LORA_LOAD, (op_id, name, path)), (LORA_UNLOAD, (op_id, name)); each
+# is answered in CoreStep.answers as (op_id, None) or (op_id, (kind, message, 0.0)) with kind
+# "lora_bad" (400), "lora_unknown" (404), "lora_busy" (409) or "lora_off" (400)
+LORA_LOAD, LORA_UNLOAD = "lora_load", "lora_unload"
 
 
 class CoreOutput(NamedTuple):
@@ -70,6 +74,8 @@ class CoreInfo(NamedTuple):
     max_model_len: int
     eos_token_ids: tuple
     model_name: str
+    lora_adapters: tuple = ()       # (name, path) of the adapters served at start (--lora-modules)
+    lora_enabled: bool = False      # adapters can be loaded at run time
 
 
 class ServedCore:
@@ -104,7 +110,11 @@ class ServedCore:
             if kind == ADD:
                 req: Request = arg
                 req.arrival = min(req.arrival, now)
-                if req.params.grammar is not None and self._grammar_ready is not None:
+                if req.adapter is not None and req.adapter not in self._lora_names():
+                    # unloaded after the front checked the name (items arrive in order)
+                    answers.append((req.req_id, ("rejected", f"no LoRA adapter named {req.adapter!r} is loaded",
+                                                 0.0)))
+                elif req.params.grammar is not None and self._grammar_ready is not None:
                     self._parked[req.req_id] = req
                 else:
                     self._admit(req, now, answers)
@@ -121,6 +131,8 @@ class ServedCore:
             elif kind == FINISH:   # the front matched a stop string and has answered already
                 self.scheduler.finish(arg, FinishReason.STOP, now)
                 self._reqs.pop(arg, None)
+            elif kind in (LORA_LOAD, LORA_UNLOAD):
+                answers.append((arg[0], self._lora_op(kind, *arg[1:])))
         if self._parked:
             self._unpark(now, answers)
         return answers, outs
@@ -150,6 +162,34 @@ class ServedCore:
                 continue
             del self._parked[rid]
             self._admit(req, now, answers)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def _lora_names(self) -> list[str]:
+        names = getattr(self.core.executor, "lora_names", None)
+        return names() if names is not None else []
+
+    def _lora_op(self, kind: str, name: str, path: Optional[str] = None) -> Optional[tuple]:
+        """Load or unload an adapter between steps: None, or the (kind, message, 0.0) error."""
+        ex = self.core.executor
+        if getattr(ex, "lora", None) is None:
+            return ("lora_off", "this server serves no LoRA adapters: start it with --enable-lora "
+                                "(or --lora-modules)", 0.0)
+        if kind == LORA_LOAD:
+            from shepherd.model.lora import LoraError
+            try:
+                ex.register_lora(name, path)
+            except LoraError as e:
+                return ("lora_bad", f"cannot load LoRA adapter {name!r} from {path!r}: {e}", 0.0)
+            return None
+        if name not in ex.lora_names():
+            return ("lora_unknown", f"no LoRA adapter named {name!r} is loaded", 0.0)
+        # the documented rule (docs/SERVING.md): refused while requests of it are in the system
+        # (parked ones, waiting for their grammar, included)
+        if any(r.adapter == name for r in self._parked.values()) or not self.scheduler.adapters.drop(name):
+            return ("lora_busy", f"LoRA adapter {name!r} has requests in flight; unload it once they "
+                                 "have finished", 0.0)
+        ex.unregister_lora(name)
+        return None
 
     def abort_all(self, now: float) -> list[tuple]:
         return self.intake([(ABORT, rid) for rid in list(self._reqs) + list(self._parked)], now)[1]

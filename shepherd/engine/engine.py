@@ -39,8 +39,8 @@ from typing import Any, Callable, Optional
 
 from shepherd.config import EngineConfig
 from shepherd.engine.build import build_served_core
-from shepherd.engine.core_loop import (ABORT, ADD, FINISH, SHUTDOWN, WATCHDOG_EXIT_CODE, CoreInfo, CoreStep, run_loop,
-                                       start_watchdog, watchdog_exit)
+from shepherd.engine.core_loop import (ABORT, ADD, FINISH, LORA_LOAD, LORA_UNLOAD, SHUTDOWN, WATCHDOG_EXIT_CODE,
+                                       CoreInfo, CoreStep, run_loop, start_watchdog, watchdog_exit)
 from shepherd.engine.metrics import EngineMetrics
 from shepherd.engine.output import EngineOutput, OutputProcessor, RequestStream, answer_admission
 from shepherd.kv_events.hashing import BLOCK_SIZE
@@ -50,12 +50,21 @@ from shepherd.step import Executor
 
 logger = logging.getLogger("shepherd.engine")
 
-__all__ = ["Engine", "EngineFront", "EngineOutput", "RequestStream", "EngineDeadError", "QueueFull",
+__all__ = ["Engine", "EngineFront", "EngineOutput", "RequestStream", "EngineDeadError", "LoraOpError", "QueueFull",
            "RequestRejected", "WATCHDOG_EXIT_CODE"]
 
 
 class EngineDeadError(RuntimeError):
     """The engine core has crashed or stopped; the server answers 503."""
+
+
+class LoraOpError(ValueError):
+    """A LoRA load or unload the core refused; `status` is the HTTP status the server answers."""
+    STATUS = {"lora_bad": 400, "lora_off": 400, "lora_unknown": 404, "lora_busy": 409}
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind, self.status = kind, self.STATUS.get(kind, 400)
 
 
 def _admission_error(err: tuple) -> BaseException:
@@ -92,6 +101,10 @@ class EngineFront:
         self._running = False
         self._stats = stats
         self.metrics.update_from_stats(self._stats)
+        # LoRA adapters the core serves (name -> folder), as its answers to load/unload said
+        self.lora_enabled = info.lora_enabled
+        self.lora_adapters: dict[str, str] = dict(info.lora_adapters)
+        self._lora_ops: dict[str, tuple[asyncio.Future, str, Optional[str]]] = {}
 
     # subclasses
     def _send(self, items: list) -> None:
@@ -114,12 +127,13 @@ class EngineFront:
         return f"{prefix}-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, req_id: Optional[str] = None,
-               client: str = "default", priority: int = 0) -> RequestStream:
+               client: str = "default", priority: int = 0, adapter: Optional[str] = None) -> RequestStream:
         """Hand a request to the core (call from the running event loop).
 
         Returns a RequestStream at once; `await` it to learn whether the scheduler
         accepted the request (raises QueueFull, RequestRejected, EngineDeadError),
-        then iterate it. Raises EngineDeadError right away if the engine is not running."""
+        then iterate it. Raises EngineDeadError right away if the engine is not running.
+        adapter: the name of a loaded LoRA adapter to run with (None: the base model)."""
         loop = asyncio.get_running_loop()
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -128,7 +142,7 @@ class EngineFront:
         req_id = req_id or self.new_request_id()
         req = Request(req_id=req_id, prompt_ids=list(prompt_ids), params=params, arrival=time.monotonic(),
                       client=client or "default", priority=int(priority or 0),
-                      eos_token_ids=self.eos_token_ids)
+                      eos_token_ids=self.eos_token_ids, adapter=adapter)
         stream = RequestStream(self, req_id, loop)
         self._admitting[req_id] = (stream, req)
         self.outputs.track(req, stream)
@@ -141,12 +155,45 @@ class EngineFront:
             return
         self._send([(ABORT, req_id)])
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter folder `path` as `name` from the next step on (LoraOpError)."""
+        await self._lora_op(LORA_LOAD, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving `name`; refused (LoraOpError, 409) while requests of it are in flight."""
+        await self._lora_op(LORA_UNLOAD, name)
+
+    async def _lora_op(self, kind: str, name: str, path: Optional[str] = None) -> None:
+        if self._dead is not None or not self._running:
+            raise EngineDeadError(self._dead or "engine is not running")
+        op = self.new_request_id("lora")
+        fut = asyncio.get_running_loop().create_future()
+        self._lora_ops[op] = (fut, name, path)
+        self._send([(kind, (op, name) if path is None else (op, name, path))])
+        await fut
+
+    def _lora_answer(self, op: str, err) -> None:
+        fut, name, path = self._lora_ops.pop(op)
+        if err is not None:
+            if not fut.done():
+                fut.set_exception(LoraOpError(err[0], err[1]))
+            return
+        if path is None:
+            self.lora_adapters.pop(name, None)
+        else:
+            self.lora_adapters[name] = path
+        if not fut.done():
+            fut.set_result(None)
+
     # -------------------------------------------------------- core -> front
     def _on_step(self, step: CoreStep) -> None:
         """One CoreStep, on the event loop."""
         now = time.monotonic()
         m = self.metrics
         for rid, err in step.answers:
+            if rid in self._lora_ops:
+                self._lora_answer(rid, err)
+                continue
             pending = self._admitting.pop(rid, None)
             if pending is None:
                 continue
@@ -173,6 +220,10 @@ class EngineFront:
         for stream, _ in self._admitting.values():
             answer_admission(stream, EngineDeadError(message))
         self._admitting.clear()
+        for fut, _, _ in self._lora_ops.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(message))
+        self._lora_ops.clear()
         self.outputs.fail_all(message, time.monotonic(), reason=reason)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from shepherd.config import LoraConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from shepherd.config import ConfigError, EngineConfig, LoraConfig, SchedulerConfig, SpeculativeConfig
 from shepherd.model.sampler import SamplingState
 from shepherd.request import SamplingParams
 from shepherd.scheduler.kv_pool import KVPool

@@ -255,6 +255,10 @@ class TorchExecutor:
     def lora_names(self) -> list[str]:
         return [] if self.lora_registry is None else self.lora_registry.names()
 
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, folder) of every adapter served."""
+        return [] if self.lora_registry is None else list(self.lora_registry.paths.items())
+
     def _load_lora(self, ld: LoraLoad) -> None:
         t0 = time.perf_counter()
         if self.lora is None:

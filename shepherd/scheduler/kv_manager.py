@@ -83,6 +83,12 @@ class KVManager:
         own, b = self.pair(e, L)
         return own, b + L - r.num_computed - ahead
 
+    def _cached(self, req) -> bool:
+        """Whether this request's KV is shared through the prefix cache: the base model's
+        only. A LoRA adapter changes every layer's K and V, so its KV is never another's
+        (no hits across adapters); requests of one adapter do not share theirs either (yet)."""
+        return self.tree is not None and req.adapter is None
+
     def candidate_need(self, e: Entry) -> tuple[int, int, int]:
         """(own tokens, growth b, locked-from-free) for admitting waiting e now.
         No side effects on the cache: a failed attempt leaves it exactly as it was. The
@@ -92,7 +98,7 @@ class KVManager:
         req = e.req
         n = len(req.prompt_ids) + len(req.output_ids)
         hit = locked = 0
-        if self.tree is not None:
+        if self._cached(req):
             hit, locked, e.prefix_memo = self.tree.match_memo(e.prefix_memo, n - 1, lambda: self._ids(req))
         own = self.pool.pages_needed(hit, n - hit) * self.page_size
         return own, self._growth(e, n), locked
@@ -115,7 +121,7 @@ class KVManager:
         hit = 0
         req.slots = []
         st = self.stats
-        if self.tree is not None:
+        if self._cached(req):
             hit_slots, node = self.tree.match_prefix(ids, touch=True, n=len(ids) - 1)
             hit = len(hit_slots)
             if hit:
@@ -187,7 +193,7 @@ class KVManager:
         req = e.req
         pool = self.pool
         slots = req.slots
-        if self.tree is not None and cache:
+        if self._cached(req) and cache:
             n = min(req.num_computed, len(slots))
             n -= n % self.page_size
             if n > e.cached_len:
@@ -227,7 +233,7 @@ class KVManager:
         req = e.req
         n = req.num_computed
         n -= n % self.page_size
-        if self.tree is None or n <= e.cached_len:
+        if not self._cached(req) or n <= e.cached_len:
             return
         tree = self.tree
         existing, node = self._insert_rest(e, n)

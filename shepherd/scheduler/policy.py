@@ -203,9 +203,15 @@ class VTC(Policy):
         self.counter: dict[str, float] = defaultdict(float)
         self.backlog: dict[str, int] = defaultdict(int)   # waiting requests per client
         self.last_left = 0.0
+        # whose counters: the client's, or the LoRA adapter's (S-LoRA's fairness over adapters;
+        # the base model counts as one more adapter)
+        self._by_adapter = cfg.vtc_unit == "adapter"
+
+    def _unit(self, e) -> str:
+        return (e.req.adapter or "") if self._by_adapter else e.req.client
 
     def on_add(self, e, waiting):
-        c = e.req.client
+        c = self._unit(e)
         if self.backlog[c] == 0:
             backlogged = [self.counter[k] for k, n in self.backlog.items() if n > 0]
             lift = min(backlogged) if backlogged else self.last_left
@@ -214,17 +220,17 @@ class VTC(Policy):
         self.backlog[c] += 1
 
     def on_leave_queue(self, e, waiting):
-        c = e.req.client
+        c = self._unit(e)
         self.backlog[c] -= 1
         if self.backlog[c] == 0:
             self.last_left = self.counter[c]
 
     def on_admit(self, e, first):
         if first:
-            self.counter[e.req.client] += self.cfg.vtc_input_weight * len(e.req.prompt_ids)
+            self.counter[self._unit(e)] += self.cfg.vtc_input_weight * len(e.req.prompt_ids)
 
     def on_tokens(self, e, n):
-        self.counter[e.req.client] += self.cfg.vtc_output_weight * n
+        self.counter[self._unit(e)] += self.cfg.vtc_output_weight * n
 
     def order(self, waiting, step) -> Iterator:
         aged, rest = self._aged_split(waiting, step)
@@ -233,7 +239,7 @@ class VTC(Policy):
             return
         per: dict[str, list] = defaultdict(list)
         for e in rest:
-            per[e.req.client].append(e)
+            per[self._unit(e)].append(e)
         tmp = {c: self.counter[c] for c in per}
         heap = [(tmp[c], min(x.seq for x in q[:1]), c) for c, q in per.items()]
         heapq.heapify(heap)

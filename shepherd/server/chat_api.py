@@ -49,8 +49,10 @@ class ChatRoutes:
         max_tokens = ctx.resolve_max_tokens(len(ids), body.effective_max_tokens, None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         jobs = ctx.jobs(body, [ids], [max_tokens], logprobs, grammar, bias)
-        streams = await submit_all(ctx.engine, jobs, ctx.client_of(request, body), body.priority, rid)
-        return streams, {"rid": rid, "created": int(time.time()), "prompt_tokens": len(ids), "logprobs": logprobs}
+        streams = await submit_all(ctx.engine, jobs, ctx.client_of(request, body), body.priority, rid,
+                                   ctx.adapter_of(body))
+        return streams, {"rid": rid, "created": int(time.time()), "model": ctx.adapter_of(body) or ctx.served_name,
+                         "prompt_tokens": len(ids), "logprobs": logprobs}
 
     async def handle(self, request: Request, body: ChatCompletionRequest, rid: str):
         ctx = self.ctx
@@ -68,7 +70,7 @@ class ChatRoutes:
             choices.append({"index": i, "message": msg,
                             "logprobs": chat_logprobs(ctx.tokstr, lps[i]) if logprobs is not None else None,
                             "finish_reason": reason, "stop_reason": final[i].stop_reason})
-        return {"id": rid, "object": "chat.completion", "created": meta["created"], "model": ctx.served_name,
+        return {"id": rid, "object": "chat.completion", "created": meta["created"], "model": meta["model"],
                 "choices": choices,
                 "usage": usage_dict(ids_len, sum(f.completion_tokens for f in final),
                                     max(f.cached_tokens for f in final))}
@@ -114,7 +116,7 @@ class ChatRoutes:
         held = [""] * n
 
         def chunk(choices, usage=None) -> str:
-            return sse_chunk("chat.completion.chunk", meta, ctx.served_name, body.include_usage, choices, usage)
+            return sse_chunk("chat.completion.chunk", meta, meta["model"], body.include_usage, choices, usage)
 
         def on_output(i: int, out):
             if scans is not None:          # auto / required: calls found as the text comes

@@ -47,9 +47,11 @@ class CompletionRoutes:
         prompts = await self.prompts(body)
         max_tokens = [ctx.resolve_max_tokens(len(ids), body.max_tokens, 16) for ids in prompts]
         jobs = ctx.jobs(body, prompts, max_tokens, body.logprobs, grammar, bias)
-        streams = await submit_all(ctx.engine, jobs, ctx.client_of(request, body), body.priority, rid)
+        streams = await submit_all(ctx.engine, jobs, ctx.client_of(request, body), body.priority, rid,
+                                   ctx.adapter_of(body))
         echo = [await ctx.decode(ids) if body.echo else "" for ids, _ in jobs]
-        meta = {"rid": rid, "created": int(time.time()), "prompt_tokens": sum(len(p) for p in prompts)}
+        meta = {"rid": rid, "created": int(time.time()), "model": ctx.adapter_of(body) or ctx.served_name,
+                "prompt_tokens": sum(len(p) for p in prompts)}
         if body.stream:
             return sse_response(self.stream(body, streams, echo, meta), streams)
         res = await until_disconnect(request, collect(streams))
@@ -61,7 +63,7 @@ class CompletionRoutes:
                     "logprobs": completion_logprobs(tokstr, lps[i], 0) if body.logprobs is not None else None,
                     "finish_reason": final[i].finish_reason, "stop_reason": final[i].stop_reason}
                    for i in range(len(streams))]
-        return {"id": rid, "object": "text_completion", "created": meta["created"], "model": ctx.served_name,
+        return {"id": rid, "object": "text_completion", "created": meta["created"], "model": meta["model"],
                 "choices": choices,
                 "usage": usage_dict(meta["prompt_tokens"], sum(f.completion_tokens for f in final),
                                     max(f.cached_tokens for f in final))}
@@ -71,7 +73,7 @@ class CompletionRoutes:
         offsets = [len(e) for e in echo]
 
         def chunk(choices, usage=None) -> str:
-            return sse_chunk("text_completion", meta, ctx.served_name, body.include_usage, choices, usage)
+            return sse_chunk("text_completion", meta, meta["model"], body.include_usage, choices, usage)
 
         def on_output(i: int, out):
             if not out.text and not out.finished and not out.logprobs:

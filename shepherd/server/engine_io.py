@@ -18,12 +18,15 @@ def release(streams: list[RequestStream]) -> None:
         s.abort()
 
 
-async def submit_all(engine, jobs: list, client: str, priority: int, prefix: str) -> list[RequestStream]:
-    """jobs: (prompt ids, SamplingParams) per choice, handed over in one go; all or nothing."""
+async def submit_all(engine, jobs: list, client: str, priority: int, prefix: str,
+                     adapter: Optional[str] = None) -> list[RequestStream]:
+    """jobs: (prompt ids, SamplingParams) per choice, handed over in one go; all or nothing.
+    adapter: the LoRA adapter every choice runs with (None: the base model)."""
     streams: list[RequestStream] = []
     try:
         for k, (ids, params) in enumerate(jobs):
-            streams.append(engine.submit(ids, params, req_id=f"{prefix}-{k}", client=client, priority=priority))
+            streams.append(engine.submit(ids, params, req_id=f"{prefix}-{k}", client=client, priority=priority,
+                                         adapter=adapter))
         results = await asyncio.gather(*(s.wait_admitted() for s in streams), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

@@ -4,7 +4,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream and not),
 POST /tokenize, POST /detokenize, GET /version, GET /v1/models, GET /health,
-GET /metrics. Request bodies are the pydantic models of protocol.py, so
+GET /metrics, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (vLLM's:
+a request names a LoRA adapter by `model`; docs/SERVING.md "LoRA adapters"). Request bodies are the pydantic models of protocol.py, so
 /openapi.json documents them and FastAPI validates them.
 
 Errors always carry an OpenAI-style body
@@ -34,7 +35,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shepherd.config import ServerConfig
-from shepherd.engine.engine import Engine
+from shepherd.engine.engine import Engine, EngineDeadError, LoraOpError
 from shepherd.engine.metrics import CONTENT_TYPE_LATEST
 from shepherd.request import SamplingParams, context_error
 from shepherd.server import tools
@@ -44,7 +45,8 @@ from shepherd.server.completions_api import CompletionRoutes
 from shepherd.server.grammar_check import GrammarCheck
 from shepherd.server.guard import BodyGuard, JsonRoute
 from shepherd.server.limits import Limits
-from shepherd.server.protocol import ChatCompletionRequest, CompletionRequest
+from shepherd.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
+                                     UnloadLoraAdapterRequest)
 from shepherd.server.responses_api import ResponsesRequest, ResponsesRoutes
 from shepherd.server.structured import SpecError, requested_spec
 from shepherd.server.tokenize_api import add_tokenize_routes
@@ -78,9 +80,19 @@ class ApiContext:
     def check(self, body) -> None:
         """The model name (the key was checked at the door, before the body was read)."""
         model = getattr(body, "model", None)
-        if model is not None and model not in self.aliases:
-            raise APIError(400, f"The model `{model}` does not exist. Available: {self.served_name}.",
+        if model is not None and model not in self.aliases and model not in self.engine.lora_adapters:
+            names = ", ".join([self.served_name, *self.engine.lora_adapters])
+            # vLLM answers an unknown adapter with a 404; without LoRA an unknown model stays a 400
+            raise APIError(404 if self.engine.lora_enabled else 400,
+                           f"The model `{model}` does not exist. Available: {names}.",
+                           "NotFoundError" if self.engine.lora_enabled else "invalid_request_error",
                            param="model", code="model_not_found")
+
+    def adapter_of(self, body) -> Optional[str]:
+        """The LoRA adapter the request's `model` names (None: the base model)."""
+        model = getattr(body, "model", None)
+        return model if model is not None and model not in self.aliases and model in self.engine.lora_adapters \
+            else None
 
     def check_admissible(self, nchoice: int) -> None:
         """A request with more choices than the engine can ever hold at once is a 400, not a 429."""
@@ -247,6 +259,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
 
+async def _lora_call(op, param: str) -> None:
+    """A load or unload through the core, its refusal as the HTTP error it stands for."""
+    try:
+        await op
+    except LoraOpError as e:
+        type_ = {404: "NotFoundError", 409: "conflict_error"}.get(e.status, "invalid_request_error")
+        raise APIError(e.status, str(e), type_, param=param if e.status == 400 else "lora_name",
+                       code=e.kind) from None
+    except EngineDeadError as e:
+        raise APIError(503, f"Engine unavailable: {e}", "server_error", code="engine_dead") from None
+
+
 def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> FastAPI:
     server_cfg = server_cfg or ServerConfig()
     ctx = ApiContext(engine, server_cfg)
@@ -292,14 +316,35 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card()] + [adapter_card(n) for n in engine.lora_adapters]}
+
+    def adapter_card(name: str) -> dict:
+        return dict(model_card(), id=name, root=engine.lora_adapters[name], parent=ctx.served_name)
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
+        if model_id in engine.lora_adapters:
+            return adapter_card(model_id)
         if model_id not in ctx.aliases:
             raise APIError(404, f"The model `{model_id}` does not exist. Available: {ctx.served_name}.",
                            param="model", code="model_not_found")
         return model_card()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+        if body.lora_name in ctx.aliases:
+            raise APIError(400, f"`{body.lora_name}` is the base model's name; pick another for the adapter",
+                           param="lora_name")
+        if body.lora_name in engine.lora_adapters:
+            raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.",
+                           param="lora_name", code="lora_already_loaded")
+        await _lora_call(engine.load_lora(body.lora_name, body.lora_path), "lora_path")
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+        await _lora_call(engine.unload_lora(body.lora_name), "lora_name")
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/v1/completions")
     async def create_completion(request: Request, body: CompletionRequest):

@@ -249,3 +249,16 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: Optional[str] = None
     tokens: list[int] = Field(..., max_length=1 << 20)
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter: serve the PEFT folder lora_path as model lora_name."""
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(..., min_length=1, max_length=256)
+    lora_path: str = Field(..., min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter (its lora_int_id is accepted and ignored)."""
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(..., min_length=1, max_length=256)

@@ -11,8 +11,9 @@ import os
 import sys
 from typing import Optional
 
-from shepherd.config import (ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, ConfigError, EngineConfig,
-                             KVEventsConfig, SchedulerConfig, ServerConfig, SpeculativeConfig)
+from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
+                             ConfigError, EngineConfig, KVEventsConfig, LoraConfig, SchedulerConfig, ServerConfig,
+                             SpeculativeConfig)
 
 EXIT_CONFIG = 2
 
@@ -92,6 +93,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "'{\"method\": \"draft_model\", \"quantization\": \"int4\"}' (the target's own int4 "
                          "weights draft); docs/SPECULATIVE.md")
 
+    lo = p.add_argument_group("LoRA adapters (docs/SERVING.md)")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve PEFT LoRA adapters (implied by --lora-modules); load more at run time with "
+                         "POST /v1/load_lora_adapter")
+    lo.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="adapters served from the start: a name (the request's `model`) and a PEFT folder")
+    lo.add_argument("--max-loras", type=int, default=s.max_loras,
+                    help="adapters resident at once, so at most this many in one step (default %(default)s)")
+    lo.add_argument("--max-cpu-loras", type=int, default=LoraConfig.max_cpu_loras,
+                    help="adapters kept in host memory (0: max(--max-loras, --lora-modules)); the others are "
+                         "read from disk again when needed")
+    lo.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank,
+                    help="the largest adapter rank accepted (default %(default)s)")
+    lo.add_argument("--adapter-policy", choices=ADAPTER_POLICIES, default=s.adapter_policy,
+                    help="fit: admit any request whose adapter fits a slot (vLLM); rotate: LoRAX's active set of "
+                         "adapters, rotated every --adapter-cycle-time (docs/SCHEDULING.md)")
+    lo.add_argument("--vtc-unit", choices=VTC_UNITS, default=s.vtc_unit,
+                    help="--policy vtc keeps its counters per client or per LoRA adapter (S-LoRA)")
+    lo.add_argument("--adapter-cycle-time", type=float, default=s.adapter_cycle_time,
+                    help="seconds an adapter keeps its place in rotate's active set while others wait")
+
     m = p.add_argument_group("model and engine")
     m.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
     m.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=d.batch_invariant,
@@ -142,6 +164,19 @@ def parse_cpu_list(text: Optional[str]) -> Optional[list[int]]:
     return sorted(cpus)
 
 
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """['name=path', ...] -> {name: path} (ConfigError on a malformed or repeated entry)."""
+    out: dict[str, str] = {}
+    for it in items or []:
+        name, eq, path = str(it).partition("=")
+        if not eq or not name.strip() or not path.strip():
+            raise ConfigError(f"--lora-modules takes NAME=PATH entries, got {it!r}")
+        if name in out:
+            raise ConfigError(f"--lora-modules names {name!r} twice")
+        out[name.strip()] = path.strip()
+    return out
+
+
 def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     """argparse namespace -> (EngineConfig, ServerConfig); raises ConfigError with a clear message."""
     sched = SchedulerConfig(
@@ -149,7 +184,11 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
         admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
         prefix_cache=not args.no_prefix_cache, speculative=SpeculativeConfig.from_json(args.speculative_config),
+        max_loras=args.max_loras, adapter_policy=args.adapter_policy, adapter_cycle_time=args.adapter_cycle_time,
+        vtc_unit=args.vtc_unit,
     )
+    lora = LoraConfig(enabled=bool(args.enable_lora), modules=parse_lora_modules(args.lora_modules),
+                      max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank).validate(args.max_loras)
     if args.max_total_tokens is not None:
         if args.max_total_tokens < 1:
             raise ConfigError(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}")
@@ -161,7 +200,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
                        batch_invariant=args.batch_invariant, num_threads=args.num_threads,
                        quantization=args.quantization, device=args.device, kernels=args.kernels,
                        watchdog_timeout=args.watchdog_timeout, log_every_steps=args.log_every_steps,
-                       scheduler=sched,
+                       scheduler=sched, lora=lora,
                        kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None)
     if args.kv_cache_memory_fraction is not None:
         eng.kv_cache_memory_fraction = args.kv_cache_memory_fraction
