@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -267,6 +268,8 @@ def test_load_select_unload_over_http(server, adapters, bad_adapters):
         assert out["a2"]["model"] == "a2"
         texts = {m: o["choices"][0]["text"] for m, o in out.items()}
         assert len(set(texts.values())) == 3
+        metrics = c.get("/metrics").text
+        assert re.search(r'vllm:lora_requests_info\{max_lora="2",', metrics), metrics[-2000:]
         # unload with a request in flight: 409, and the request is unaffected
         body = {"model": "a2", "prompt": prompts[1], "max_tokens": 400, "ignore_eos": True, "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as s:

@@ -87,7 +87,7 @@ class EngineFront:
         self.max_model_len = info.max_model_len
         self.eos_token_ids = tuple(info.eos_token_ids)
         self.model_name = info.model_name
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(self.model_name, lora=info.lora_enabled)
         # blocks in the sense of the KV events (16 tokens, whatever the allocation page size)
         self.metrics.set_cache_config(
             block_size=BLOCK_SIZE, num_gpu_blocks=info.kv_capacity // BLOCK_SIZE,

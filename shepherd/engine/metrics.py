@@ -51,7 +51,7 @@ FROM_STATS = (
 class EngineMetrics:
     """All metrics of one engine, labelled with `model_name` like vLLM's."""
 
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None):
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None, lora: bool = False):
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, L = self.registry, ["model_name"]
@@ -87,6 +87,10 @@ class EngineMetrics:
         self.steps = counter("shepherd:engine_steps", "Engine steps executed.")
         self.step_time = hist("shepherd:step_time_seconds", "Wall time of one executor step.", ITL_BUCKETS)
 
+        # vLLM's: one series, its labels the adapters running and waiting, its value the time set
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                               registry=r) if lora else None
         self._last = None  # previous SchedulerStats, for counter deltas
 
     def set_cache_config(self, **info) -> None:
@@ -111,6 +115,10 @@ class EngineMetrics:
             delta = getattr(st, field) - (getattr(last, field) if last is not None else 0)
             if delta > 0:
                 metric.inc(delta)
+        if self.lora_info is not None:
+            self.lora_info.clear()
+            self.lora_info.labels(str(st.max_lora), st.waiting_lora_adapters,
+                                  st.running_lora_adapters).set_to_current_time()
         self._last = _copy_stats(st)
 
     def render(self) -> bytes:

@@ -543,6 +543,11 @@ class Scheduler:
         s.kv_host_used = self.kv.host_used
         s.new_token_ratio = self.ratio.value
         s.num_prefilling = sum(1 for e in q.running if e.in_prefill())
+        ad = self.adapters
+        s.max_lora = ad.max_loras
+        s.running_lora_adapters = ",".join(ad.running_names())
+        s.waiting_lora_adapters = ",".join(ad.waiting_names())
+        s.lora_loads = ad.loads
         return SchedulerStats(**s.__dict__)
 
     def check_integrity(self) -> None:

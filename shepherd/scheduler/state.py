@@ -67,6 +67,11 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     last_draft_tokens: int = 0        # drafts fed in the last step
+    # LoRA adapters (scheduler/adapters.py): vLLM's lora_requests_info labels, and slot loads
+    max_lora: int = 0
+    running_lora_adapters: str = ""   # comma-separated names
+    waiting_lora_adapters: str = ""
+    lora_loads: int = 0
 
     def begin_step(self) -> None:
         """Zero the per-step figures (the last_* fields)."""

@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Served throughput with LoRA adapters against the base model alone, in one run on one server.
+
+    .venv/bin/python benchmarks/lora_throughput.py [--streams 64] [--adapters 8] [--rank 8] [--rounds 3]
+
+One `shepherd serve --lora-modules a0=... a7=...` (adapters with random weights, rank --rank on
+every q/k/v/o/gate/up/down projection, written as PEFT folders by this script), driven by the
+official `openai` client (streaming chat, ignore_eos, 128 tokens each): --streams requests at
+once either all for the base model, or spread evenly over the --adapters adapters, alternated
+for --rounds rounds (medians). The target of issue 28: the adapters' tok/s >= 80 % of base-only.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _openai_client import fixed_concurrency, questions  # noqa: E402
+
+PROJ = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576),
+        "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}
+
+
+def write_adapter(folder: str, rank: int, layers: int, seed: int) -> None:
+    """A PEFT LoRA folder for SmolLM2-135M with small random weights."""
+    import json
+
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for li in range(layers):
+        for mod, (k, n) in PROJ.items():
+            part = "self_attn" if mod in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{li}.{part}.{mod}"
+            t[f"{key}.lora_A.weight"] = torch.randn(rank, k, generator=g) * 0.02
+            t[f"{key}.lora_B.weight"] = torch.randn(n, rank, generator=g) * 0.02
+    os.makedirs(folder, exist_ok=True)
+    save_file(t, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJ)}, f)
+
+
+async def spread(url: str, models: list[str], streams: int, max_tokens: int) -> dict:
+    """`streams` requests at once, split evenly over `models`; aggregate tok/s."""
+    import time
+    per = streams // len(models)
+    t0 = time.perf_counter()
+    rs = await asyncio.gather(*(fixed_concurrency(url, m, questions(per), per, per, max_tokens, {"ignore_eos": True})
+                                for m in models))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in rs)
+    return {"tok_s": tokens / wall, "errors": sum(r["errors"] for r in rs),
+            "tpot_p50": statistics.median(r["tpot_p50"] for r in rs)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
+    a = ap.parse_args()
+    import httpx
+
+    from shepherd.bench import loadgen
+    tmp = tempfile.mkdtemp(prefix="lora-bench-")
+    names = [f"a{i}" for i in range(a.adapters)]
+    for i, n in enumerate(names):
+        write_adapter(os.path.join(tmp, n), a.rank, 30, i)
+    port = loadgen.free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--max-total-tokens", "32768",
+           "--max-batch-size", "256", "--log-level", "warning", "--max-loras", str(a.adapters),
+           "--max-lora-rank", str(a.rank), "--lora-modules", *[f"{n}={os.path.join(tmp, n)}" for n in names],
+           *a.serve_arg]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    rows = {"base": [], "adapters": []}
+    try:
+        loadgen.wait_healthy(url, proc, timeout=600, what="shepherd serve")
+        base = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(spread(url, [base] + names, len(names) + 1, 8))       # warm-up (every adapter loaded once)
+        for _ in range(a.rounds):
+            for label, models in (("base", [base]), ("adapters", names)):
+                r = asyncio.run(spread(url, models, a.streams, a.max_tokens))
+                rows[label].append(r)
+                print(f"  {label}: {r['tok_s']:.0f} tok/s, TPOT p50 {r['tpot_p50'] * 1000:.1f} ms"
+                      f"{', ERRORS ' + str(r['errors']) if r['errors'] else ''}", flush=True)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    med = {k: statistics.median(r["tok_s"] for r in v) for k, v in rows.items()}
+    tp = {k: statistics.median(r["tpot_p50"] for r in v) for k, v in rows.items()}
+    print(f"\n{a.streams} streams, served (openai client, streaming chat, {a.max_tokens} tokens, ignore_eos), "
+          f"median of {a.rounds} alternated rounds; adapters: rank {a.rank} on all 7 projections of 30 layers\n")
+    print("| requests | tok/s | TPOT p50 | vs base-only |\n|---|---:|---:|---:|")
+    print(f"| base model only | {med['base']:.0f} | {tp['base'] * 1000:.1f} ms | 1.00 |")
+    print(f"| spread over {a.adapters} adapters | {med['adapters']:.0f} | {tp['adapters'] * 1000:.1f} ms | "
+          f"{med['adapters'] / med['base']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
