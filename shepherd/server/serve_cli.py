@@ -189,6 +189,8 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     )
     lora = LoraConfig(enabled=bool(args.enable_lora), modules=parse_lora_modules(args.lora_modules),
                       max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank).validate(args.max_loras)
+    if (lora.enabled or lora.modules) and args.executor != "torch":
+        raise ConfigError("LoRA adapters (--enable-lora, --lora-modules) need the real model: --executor torch")
     if args.max_total_tokens is not None:
         if args.max_total_tokens < 1:
             raise ConfigError(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}")
