@@ -48,7 +48,6 @@ class DraftModelDrafter:
         dcfg = dataclasses.replace(cfg, model=spec.model or cfg.model, quantization=spec.quantization or "none",
                                    max_total_tokens=cap, host_kv_tokens=0, scheduler=SchedulerConfig(),
                                    lora=LoraConfig())     # drafts come from the base model
-
         # an executor of the target's own class (the executor builds its drafter: no import back)
         self.model = type(target)(dcfg)
         if self.model.model_config.vocab_size != target.model_config.vocab_size:
