@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -98,13 +97,7 @@ def main() -> int:
                 print(f"  {label}: {r['tok_s']:.0f} tok/s, TPOT p50 {r['tpot_p50'] * 1000:.1f} ms"
                       f"{', ERRORS ' + str(r['errors']) if r['errors'] else ''}", flush=True)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        loadgen.stop_server(proc)
     med = {k: statistics.median(r["tok_s"] for r in v) for k, v in rows.items()}
     tp = {k: statistics.median(r["tpot_p50"] for r in v) for k, v in rows.items()}
     print(f"\n{a.streams} streams, served (openai client, streaming chat, {a.max_tokens} tokens, ignore_eos), "

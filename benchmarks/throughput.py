@@ -146,13 +146,7 @@ def bench_served(model, dtype, streams, max_tokens, kv_tokens: int, extra_args: 
                   f"core {r['rss_core_mb']:.0f} MB{', ERRORS ' + str(r['errors']) if r['errors'] else ''}",
                   flush=True)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        loadgen.stop_server(proc)
     return res
 
 
