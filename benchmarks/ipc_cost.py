@@ -33,7 +33,7 @@ STEPS = 2000
 
 
 def make_step(n: int) -> CoreStep:
-    outs = [tuple(CoreOutput(f"chatcmpl-{i:032x}-0", [1000 + i], [], False, None, None, 57, 0, None))
+    outs = [tuple(CoreOutput(f"chatcmpl-{i:032x}-0", [1000 + i], [], False, None, None, 57, 0, None, None))
             for i in range(n)]
     return CoreStep([], outs, SchedulerStats(num_running=n, kv_capacity=65536, kv_used=n * 170), 0.07, n)
 

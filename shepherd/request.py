@@ -40,6 +40,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None    # None = off; N = also return the top-N alternatives
+    # None = off; N = each prompt token's logprob given the tokens before it, with the top-N
+    # alternatives (vLLM's prompt_logprobs; completions' echo + logprobs). Such a request does not
+    # read the prefix cache: every prompt position must run through the model.
+    prompt_logprobs: Optional[int] = None
     logit_bias: Optional[dict[int, float]] = None   # token id -> added to its logit
     min_tokens: int = 0               # stop tokens are masked until this many tokens are out
     include_stop_str_in_output: bool = False
@@ -120,6 +124,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: Optional[int] = None        # 1 = the most likely token; set for prompt logprobs
 
 
 @dataclass
@@ -131,3 +136,6 @@ class RequestOutput:
     finished: bool = False
     finish_reason: Optional[FinishReason] = None
     error: Optional[str] = None
+    # with the first token, once, when params.prompt_logprobs is set: one per prompt token, None
+    # for the first (nothing comes before it)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None

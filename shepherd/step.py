@@ -128,6 +128,8 @@ class StepResult:
     step_time: float = 0.0                                        # seconds: measured (torch) or modelled (sim)
     errors: dict[str, str] = field(default_factory=dict)          # req_id -> why no token was sampled
     drafts: dict[str, list[int]] = field(default_factory=dict)    # req_id -> proposed next tokens (seq.propose)
+    # req_id -> its prompt's logprobs (RequestOutput.prompt_logprobs), in the step that samples its first token
+    prompt_logprobs: dict[str, list[Optional[TokenLogprob]]] = field(default_factory=dict)
 
 
 class Executor(Protocol):

@@ -49,7 +49,7 @@ HOSTILE = [
             "name": "nope"}}, "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(), "nope"),
     ("n above max-concurrency", "/v1/completions", b'{"prompt": "a", "n": 100}', "--max-concurrency"),
     ("2000-prompt batch", "/v1/completions", json.dumps({"prompt": ["a"] * 2000}).encode(), "--max-concurrency"),
-    ("echo with logprobs", "/v1/completions", b'{"prompt": "a", "echo": true, "logprobs": 1}', "echo"),
+    ("prompt_logprobs above 20", "/v1/completions", b'{"prompt": "a", "prompt_logprobs": 21}', "prompt_logprobs"),
 ]
 
 

@@ -56,6 +56,7 @@ class CoreOutput(NamedTuple):
     completion_tokens: int
     cached_tokens: int
     queue_time: Optional[float]     # arrival -> first admission, on the request's first output only
+    prompt_logprobs: Optional[list]  # RequestOutput.prompt_logprobs: with the first token, when asked
 
 
 class CoreStep(NamedTuple):
@@ -226,17 +227,18 @@ class ServedCore:
             reason = o.finish_reason.value if isinstance(o.finish_reason, FinishReason) else o.finish_reason
             if o.finished:
                 del self._reqs[o.req_id]
-            outs.append(self._output(req, o.new_token_ids, o.logprobs, o.finished, reason, o.error))
+            outs.append(self._output(req, o.new_token_ids, o.logprobs, o.finished, reason, o.error,
+                                     o.prompt_logprobs))
         return outs
 
-    def _output(self, req: Request, ids, lps, finished: bool, reason, error) -> tuple:
+    def _output(self, req: Request, ids, lps, finished: bool, reason, error, plp=None) -> tuple:
         qt = None
         if (ids or finished) and req.req_id in self._first:
             self._first.discard(req.req_id)
             if req.admitted_at is not None:
                 qt = max(0.0, req.admitted_at - req.arrival)
         return (req.req_id, list(ids), list(lps), finished, reason, error, len(req.output_ids),
-                int(req.num_cached or 0), qt)
+                int(req.num_cached or 0), qt, plp)
 
 
 def run_loop(served: ServedCore, recv: Callable[[Optional[float]], list], send: Callable[[CoreStep], None]) -> None:

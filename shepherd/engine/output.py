@@ -42,6 +42,8 @@ class EngineOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     stop_reason: Optional[Any] = None     # the stop string or stop token id that ended it (vLLM's field)
+    # with the first token, when SamplingParams.prompt_logprobs asked: one per prompt token (None first)
+    prompt_logprobs: Optional[list] = None
 
     @property
     def usage(self) -> dict:
@@ -257,11 +259,12 @@ class OutputProcessor:
         end = len(tr.text) if finished else len(tr.text) - tr.holdback()
         text = tr.text[tr.sent:end] if end > tr.sent else ""
         tr.sent = max(tr.sent, end)
-        if not finished and not text and not ids and not lps:
+        plp = o.prompt_logprobs if o is not None else None
+        if not finished and not text and not ids and not lps and plp is None:
             return
         req = tr.req
         out = EngineOutput(req_id=req.req_id, text=text, token_ids=ids, logprobs=lps, finished=finished,
-                           finish_reason=reason, error=error, error_kind=error_kind,
+                           finish_reason=reason, error=error, error_kind=error_kind, prompt_logprobs=plp,
                            prompt_tokens=len(req.prompt_ids),
                            completion_tokens=o.completion_tokens if o is not None else 0,
                            cached_tokens=o.cached_tokens if o is not None else 0,

@@ -27,6 +27,7 @@ from shepherd.model.grammar import GrammarMasks
 from shepherd.model.sampler import Sampler, SamplingState
 from shepherd.scheduler.kv_pool import pages_for
 from shepherd.engine.drafter import make_drafter
+from shepherd.request import TokenLogprob
 from shepherd.step import LoraLoad, NewRequest, ScheduledBatch, ScheduledSeq, StepResult
 
 log = logging.getLogger("shepherd")
@@ -111,15 +112,20 @@ def _round_up(x: int, m: int) -> int:
 
 class _ReqState:
     """What the executor keeps of one request: the sampler's record, its slot table (position
-    -> KV slot) and that table as a tensor, copied up to n_slots, and its LoRA adapter's name."""
-    __slots__ = ("seq", "slots", "slots_t", "n_slots", "adapter")
+    -> KV slot) and that table as a tensor, copied up to n_slots; its LoRA adapter's name; and,
+    when it asked for its prompt's logprobs, those found so far (`plp`: the entry of position p is
+    prompt token p+1's) until they are handed out with its first token (then plp is None)."""
+    __slots__ = ("seq", "slots", "slots_t", "n_slots", "adapter", "prompt", "plp_top", "plp")
 
-    def __init__(self, seq: SamplingState, adapter: Optional[str] = None):
+    def __init__(self, seq: SamplingState, new: NewRequest):
         self.seq = seq
-        self.adapter = adapter
+        self.adapter = new.adapter
         self.slots: list[int] = []
         self.slots_t = torch.empty(0, dtype=torch.long)
         self.n_slots = 0
+        self.prompt = new.prompt_ids
+        self.plp_top = new.params.prompt_logprobs
+        self.plp: Optional[list[TokenLogprob]] = [] if self.plp_top is not None else None
 
     def take(self, s: ScheduledSeq) -> None:
         """The step's changes: slot table from s.slots_from on, and the tokens fed."""
@@ -142,6 +148,38 @@ class _ReqState:
             self.slots_t[self.n_slots: need] = torch.tensor(slots[self.n_slots: need], dtype=torch.long)
             self.n_slots = need
         return self.slots_t[:need]
+
+
+class _LogitRows:
+    """The rows of a step whose logits are wanted: first the sampling seqs' rows (the last
+    one's, and one more per draft a seq verifies), then the prompt positions whose next
+    token's logprob a request asked for (prompt_logprobs)."""
+    __slots__ = ("rows", "sampled", "prompt_rows", "prompt")
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self.sampled: list[_ReqState] = []
+        self.prompt_rows: list[int] = []
+        self.prompt: list[tuple[_ReqState, int]] = []     # (request, position p: predicts prompt token p+1)
+
+    def add(self, s: ScheduledSeq, st: _ReqState, row: int, n: int) -> None:
+        if s.sample:
+            self.rows.extend(range(row + n - 1 - s.num_draft, row + n))
+            self.sampled.append(st)
+        if st.plp is not None:
+            # positions this seq feeds that predict a prompt token and were not scored yet (a
+            # request recomputed after preemption feeds them again)
+            if s.start_pos > len(st.plp):
+                raise ExecutorError(f"{s.req_id}: prompt logprobs asked, but positions {len(st.plp)}.."
+                                    f"{s.start_pos - 1} never ran (served from the prefix cache?)")
+            for p in range(len(st.plp), min(s.start_pos + n, len(st.prompt) - 1)):
+                self.prompt_rows.append(row + p - s.start_pos)
+                self.prompt.append((st, p))
+
+    def index(self, num_rows: int) -> Optional[torch.Tensor]:
+        if not self.prompt_rows and len(self.rows) == num_rows:
+            return None                       # every row, in order
+        return torch.tensor(self.rows + self.prompt_rows, dtype=torch.long)
 
 
 class TorchExecutor:
@@ -339,7 +377,7 @@ class TorchExecutor:
         """A request seen for the first time (execute does this for batch.new)."""
         if new.adapter is not None and self.lora is None:
             raise ExecutorError(f"{new.req_id}: adapter {new.adapter!r} asked of an executor without LoRA slots")
-        self.reqs[new.req_id] = _ReqState(self.sampler.add(new), new.adapter)
+        self.reqs[new.req_id] = _ReqState(self.sampler.add(new), new)
 
     # ------------------------------------------------------------------ host pool
     def _swap_out(self, req_id: str, slots: list[int]) -> None:
@@ -394,7 +432,7 @@ class TorchExecutor:
                 raise ExecutorError(f"{s.req_id}: context {ctx} exceeds max_model_len {self.max_model_len}")
             yield s, st, n, ctx, st.sync(ctx)
 
-    def build_input_fused(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[_ReqState]]:
+    def build_input_fused(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, _LogitRows]:
         """Input of the fused path: per row its slot, and where its keys are in slot_tab. Per-row
         values are gathered as Python ints and become one tensor each: a row costs no torch call of
         its own (64 decode rows, timed alone: 450 us of small tensor ops before, 146 us now)."""
@@ -404,8 +442,7 @@ class TorchExecutor:
         off: list[int] = []
         rctx: list[int] = []
         tab_parts = []
-        logits_rows: list[int] = []
-        sampled: list[_ReqState] = []
+        want = _LogitRows()
         fed: list[tuple[_ReqState, int]] = []
         row = tab = max_ctx = 0
         for s, st, n, ctx, sl in self._rows(seqs):
@@ -418,12 +455,7 @@ class TorchExecutor:
             tab_parts.append(sl)
             tab += ctx
             max_ctx = max(max_ctx, ctx)
-            if s.sample:
-                if s.num_draft:     # a verify: the logits after the last token and after each draft
-                    logits_rows.extend(range(row + n - 1 - s.num_draft, row + n))
-                else:
-                    logits_rows.append(row + n - 1)
-                sampled.append(st)
+            want.add(s, st, row, n)     # a verify: the logits after the last token and after each draft
             row += n
         pad = self.model.min_rows - row if (self.model.batch_invariant and row < self.model.min_rows) else 0
         if pad:  # padding rows: token 0 at position 0 in the scratch slot, attending to itself
@@ -437,11 +469,11 @@ class TorchExecutor:
         T = row + pad
         long = lambda xs: torch.tensor(xs, dtype=torch.long)
         inp = StepInput(input_ids=long(ids), positions=long(pos), write_index=None, groups=[],
-                        logits_index=None if len(logits_rows) == T else long(logits_rows),
+                        logits_index=want.index(T),
                         num_tokens=T, slots=long(write),
                         slot_tab=torch.cat(tab_parts) if len(tab_parts) > 1 else tab_parts[0].clone(),
                         row_off=long(off), row_ctx=long(rctx), max_ctx=max_ctx, lora_rows=self._lora_rows(fed))
-        return inp, sampled
+        return inp, want
 
     def _lora_rows(self, fed: list[tuple[_ReqState, int]]):
         """The step's LoRA rows (model/lora.py LoraRows), None when no request fed has an adapter;
@@ -450,19 +482,18 @@ class TorchExecutor:
             return None
         return LoraPool.rows(self._row_slots([st for st, _ in fed], [n for _, n in fed]))
 
-    def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[_ReqState]]:
+    def build_input(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, _LogitRows]:
         if self.model.kernels is not None:
             return self.build_input_fused(seqs)
         return self.build_input_torch(seqs)
 
-    def build_input_torch(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, list[_ReqState]]:
+    def build_input_torch(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, _LogitRows]:
         """Input of the pure-torch path: attention groups with gather indices and masks."""
         inv = self.model.batch_invariant
         ids: list[int] = []
         pos_parts = []
         write_parts = []
-        logits_rows: list[int] = []
-        sampled: list[_ReqState] = []
+        want = _LogitRows()
         dec_rows: list[int] = []
         dec_slots: list[torch.Tensor] = []
         dec_ctx: list[int] = []
@@ -480,9 +511,7 @@ class TorchExecutor:
                 dec_ctx.append(ctx)
             else:
                 prefills.append((row, n, s.start_pos, sl))
-            if s.sample:
-                logits_rows.extend(range(row + n - 1 - s.num_draft, row + n))
-                sampled.append(st)
+            want.add(s, st, row, n)
             row += n
         T = row
         pad = self.model.min_rows - T if (inv and T < self.model.min_rows) else 0
@@ -499,10 +528,10 @@ class TorchExecutor:
             positions=torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0],
             write_index=(head_off + write.view(1, -1)).view(-1),
             groups=groups,
-            logits_index=None if len(logits_rows) == T else torch.tensor(logits_rows, dtype=torch.long),
+            logits_index=want.index(T),
             num_tokens=T, lora_rows=self._lora_rows(fed),
         )
-        return inp, sampled
+        return inp, want
 
     def _key_span(self, ctx: int) -> tuple[int, int]:
         """(keys padded, blocks) for a context of ctx keys: whole kv_block blocks when batch
@@ -545,14 +574,21 @@ class TorchExecutor:
     def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[_ReqState]]:
         """Run the forward; returns logits (float32) for the seqs that sample: one row each, and
         one more per draft of a seq that verifies drafts."""
-        inp, sampled = self.build_input(seqs)
+        logits, want = self._forward(seqs)
+        return logits[: len(want.rows)], want.sampled
+
+    def _forward(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, _LogitRows]:
+        inp, want = self.build_input(seqs)
         if self.device.type != "cpu":
             inp = _to_device(inp, self.device)
-        logits = self.model.forward(inp, self.kv_pool)
-        return logits, sampled
+        return self.model.forward(inp, self.kv_pool), want
 
     def _run(self, seqs: list[ScheduledSeq], res: StepResult) -> None:
-        logits, sampled = self.forward_logits(seqs)
+        logits, want = self._forward(seqs)
+        sampled = want.sampled
+        if want.prompt:
+            self._score_prompts(logits[len(want.rows):], want.prompt)
+            logits = logits[: len(want.rows)]
         if not sampled:
             return
         runs = [s for s in seqs if s.sample and s.token_ids]      # in the order of `sampled`
@@ -578,6 +614,30 @@ class TorchExecutor:
             if want:
                 res.drafts = self.drafter.propose([(s.req_id, seq, res.tokens[s.req_id][-1], s.propose)
                                                    for s, seq in want])
+        for st in sampled:
+            if st.plp is not None and st.seq.req_id in res.tokens:   # its first token: hand them out once
+                res.prompt_logprobs[st.seq.req_id] = [None, *st.plp]
+                st.plp = None
+
+    def _score_prompts(self, logits: torch.Tensor, where: list[tuple[_ReqState, int]]) -> None:
+        """Each scored position's logprob of the prompt token after it (log-softmax of the raw
+        logits, as vLLM's prompt_logprobs), with its rank and the request's top-N alternatives."""
+        k = max(st.plp_top for st, _ in where)
+        for a in range(0, len(where), 256):      # a block at a time: rows x vocabulary floats each
+            part = where[a: a + 256]
+            lp = torch.log_softmax(logits[a: a + len(part)].float(), dim=-1)
+            target = torch.tensor([st.prompt[p + 1] for st, p in part], dtype=torch.long, device=lp.device)
+            chosen_t = lp.gather(1, target.view(-1, 1))
+            ranks = ((lp > chosen_t).sum(dim=1) + 1).tolist()
+            chosen = chosen_t.view(-1).tolist()
+            top_v, top_i = [[]] * len(part), [[]] * len(part)
+            if k:
+                v, ix = lp.topk(k, dim=-1)
+                top_v, top_i = v.tolist(), ix.tolist()
+            for i, (st, p) in enumerate(part):
+                n = st.plp_top
+                st.plp.append(TokenLogprob(st.prompt[p + 1], chosen[i], list(zip(top_i[i][:n], top_v[i][:n])),
+                                           ranks[i]))
 
     def _sample_verify(self, logits: torch.Tensor, runs: list[ScheduledSeq], sampled: list[_ReqState],
                        res: StepResult) -> None:

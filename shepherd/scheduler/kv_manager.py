@@ -17,6 +17,13 @@ from shepherd.scheduler.state import Entry, SchedulerStats
 from shepherd.step import SwapOp
 
 
+def lookup_len(req, n: int) -> int:
+    """How many of a request's n known tokens the prefix cache may serve: all but the last (its
+    logits are needed), none for a request that asked for its prompt's logprobs (every position
+    must run through the model)."""
+    return 0 if req.params.prompt_logprobs is not None else n - 1
+
+
 class KVManager:
     def __init__(self, capacity: int, page_size: int, prefix_cache: bool, host_capacity: int,
                  stats: SchedulerStats):
@@ -99,7 +106,8 @@ class KVManager:
         n = len(req.prompt_ids) + len(req.output_ids)
         hit = locked = 0
         if self._cached(req):
-            hit, locked, e.prefix_memo = self.tree.match_memo(e.prefix_memo, n - 1, lambda: self._ids(req))
+            hit, locked, e.prefix_memo = self.tree.match_memo(e.prefix_memo, lookup_len(req, n),
+                                                              lambda: self._ids(req))
         own = self.pool.pages_needed(hit, n - hit) * self.page_size
         return own, self._growth(e, n), locked
 
@@ -122,7 +130,7 @@ class KVManager:
         req.slots = []
         st = self.stats
         if self._cached(req):
-            hit_slots, node = self.tree.match_prefix(ids, touch=True, n=len(ids) - 1)
+            hit_slots, node = self.tree.match_prefix(ids, touch=True, n=lookup_len(req, len(ids)))
             hit = len(hit_slots)
             if hit:
                 self.tree.inc_lock_ref(node)

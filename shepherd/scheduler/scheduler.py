@@ -440,6 +440,8 @@ class Scheduler:
                 self.spec.settle(e, seq, kept)
             lps = result.logprobs.get(seq.req_id, []) if result.logprobs else []
             outs.append(self._accept(e, toks, lps, now))
+            if result.prompt_logprobs and seq.req_id in result.prompt_logprobs:
+                outs[-1].prompt_logprobs = result.prompt_logprobs[seq.req_id]
         return outs
 
     def _accept(self, e: Entry, toks: list[int], lps: list, now: float, last_only: bool = False) -> RequestOutput:

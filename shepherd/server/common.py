@@ -96,6 +96,41 @@ def completion_logprobs(tokstr: TokenStrings, lps, offset0: int) -> dict:
     return {"tokens": tokens, "token_logprobs": tlp, "top_logprobs": tops, "text_offset": offs}
 
 
+def echo_logprobs(tokstr: TokenStrings, prompt_ids: list[int], plp, completion: dict) -> dict:
+    """completions' logprobs with echo: the prompt's tokens first (the first has no logprob, as in
+    OpenAI's legacy API and vLLM), then `completion` (completion_logprobs after the echoed text)."""
+    plp = plp or [None] * len(prompt_ids)
+    tokens, tlp, tops, offs = [], [], [], []
+    off = 0
+    for tid, lp in zip(prompt_ids, plp):
+        s = tokstr(tid)
+        tokens.append(s)
+        tlp.append(finite(lp.logprob) if lp is not None else None)
+        tops.append({tokstr(t): finite(v) for t, v in lp.top} if lp is not None and lp.top else None)
+        offs.append(off)
+        off += len(s)
+    return {"tokens": tokens + completion["tokens"], "token_logprobs": tlp + completion["token_logprobs"],
+            "top_logprobs": tops + completion["top_logprobs"], "text_offset": offs + completion["text_offset"]}
+
+
+def vllm_prompt_logprobs(tokstr: TokenStrings, plp) -> Optional[list]:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the prompt token and its top alternatives (rank: 1 = best)."""
+    if plp is None:
+        return None
+    out: list = []
+    for lp in plp:
+        if lp is None:
+            out.append(None)
+            continue
+        d = {str(t): {"logprob": finite(v), "rank": r + 1, "decoded_token": tokstr(t)} for r, (t, v) in enumerate(lp.top)}
+        if str(lp.token_id) not in d:
+            d = {str(lp.token_id): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": tokstr(lp.token_id)}, **d}
+        out.append(d)
+    return out
+
+
 def chat_logprobs(tokstr: TokenStrings, lps) -> dict:
     content = []
     for lp in lps:

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from shepherd.server.common import (APIError, AbortingStreamingResponse, completion_logprobs, sse_chunk,
-                                    usage_dict)
+from shepherd.server.common import (APIError, AbortingStreamingResponse, completion_logprobs, echo_logprobs,
+                                    sse_chunk, usage_dict, vllm_prompt_logprobs)
 from shepherd.server.engine_io import collect, release, sse_events, submit_all, until_disconnect
 from shepherd.server.protocol import CompletionRequest
 
@@ -52,41 +53,65 @@ class CompletionRoutes:
         echo = [await ctx.decode(ids) if body.echo else "" for ids, _ in jobs]
         meta = {"rid": rid, "created": int(time.time()), "model": ctx.adapter_of(body) or ctx.served_name,
                 "prompt_tokens": sum(len(p) for p in prompts)}
+        prompt_ids = [ids for ids, _ in jobs]
         if body.stream:
-            return sse_response(self.stream(body, streams, echo, meta), streams)
+            return sse_response(self.stream(body, streams, echo, prompt_ids, meta), streams)
         res = await until_disconnect(request, collect(streams))
         if res is None:
             return Response(status_code=499)
         texts, lps, final = res
-        tokstr = ctx.tokstr
         choices = [{"index": i, "text": echo[i] + texts[i],
-                    "logprobs": completion_logprobs(tokstr, lps[i], 0) if body.logprobs is not None else None,
+                    "logprobs": self.logprobs(body, prompt_ids[i], final[i].prompt_logprobs, lps[i], len(echo[i])),
                     "finish_reason": final[i].finish_reason, "stop_reason": final[i].stop_reason}
                    for i in range(len(streams))]
+        if body.prompt_logprobs is not None:
+            for c, f in zip(choices, final):
+                c["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokstr, f.prompt_logprobs)
         return {"id": rid, "object": "text_completion", "created": meta["created"], "model": meta["model"],
                 "choices": choices,
                 "usage": usage_dict(meta["prompt_tokens"], sum(f.completion_tokens for f in final),
                                     max(f.cached_tokens for f in final))}
 
-    def stream(self, body: CompletionRequest, streams, echo: list[str], meta: dict):
+    def logprobs(self, body: CompletionRequest, prompt_ids: list[int], plp, lps, offset: int) -> Optional[dict]:
+        """A choice's `logprobs` (or a chunk's): the completion's tokens from `offset` in the text;
+        with echo, the prompt's tokens before them."""
+        if body.logprobs is None:
+            return None
+        comp = completion_logprobs(self.ctx.tokstr, lps, offset)
+        return echo_logprobs(self.ctx.tokstr, prompt_ids, plp, comp) if body.echo else comp
+
+    def stream(self, body: CompletionRequest, streams, echo: list[str], prompt_ids: list[list[int]], meta: dict):
         ctx = self.ctx
         offsets = [len(e) for e in echo]
+        # the prompt's logprobs come with the first token: the echo then goes out in that chunk
+        late = body.prompt_logprobs_n is not None
+        first = [True] * len(echo)
 
         def chunk(choices, usage=None) -> str:
             return sse_chunk("text_completion", meta, meta["model"], body.include_usage, choices, usage)
 
         def on_output(i: int, out):
-            if not out.text and not out.finished and not out.logprobs:
+            if not out.text and not out.finished and not out.logprobs and out.prompt_logprobs is None:
                 return
-            lp = completion_logprobs(ctx.tokstr, out.logprobs, offsets[i]) if body.logprobs is not None else None
+            text, lp = out.text, None
+            if body.logprobs is not None:
+                lp = completion_logprobs(ctx.tokstr, out.logprobs, offsets[i])
+            if late and first[i]:
+                text = echo[i] + text
+                if body.echo and lp is not None:
+                    lp = echo_logprobs(ctx.tokstr, prompt_ids[i], out.prompt_logprobs, lp)
             offsets[i] += len(out.text)
-            yield chunk([{"index": i, "text": out.text, "logprobs": lp,
-                          "finish_reason": out.finish_reason if out.finished else None,
-                          "stop_reason": out.stop_reason}])
+            c = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason if out.finished else None,
+                 "stop_reason": out.stop_reason}
+            if late and first[i] and body.prompt_logprobs is not None:
+                c["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokstr, out.prompt_logprobs)
+            first[i] = False
+            yield chunk([c])
 
         def usage(completion: int, cached: int):
             return chunk([], usage_dict(meta["prompt_tokens"], completion, cached)) if body.include_usage else None
 
-        prelude = [chunk([{"index": i, "text": e, "logprobs": None, "finish_reason": None, "stop_reason": None}])
-                   for i, e in enumerate(echo) if e]
+        prelude = [] if late else [
+            chunk([{"index": i, "text": e, "logprobs": None, "finish_reason": None, "stop_reason": None}])
+            for i, e in enumerate(echo) if e]
         return sse_events(streams, on_output, usage, prelude)

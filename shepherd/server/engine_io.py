@@ -141,10 +141,12 @@ async def sse_events(streams: list[RequestStream], on_output, usage_chunk, prelu
 
 
 async def collect(streams: list[RequestStream]):
-    """Non-streaming answer: each choice's whole text, logprobs and terminal output."""
+    """Non-streaming answer: each choice's whole text, logprobs and terminal output (which carries
+    the prompt's logprobs when they were asked for: they come with the first token)."""
     n = len(streams)
     texts = [""] * n
     lps: list[list] = [[] for _ in range(n)]
+    plps: list = [None] * n
     final: list[Optional[EngineOutput]] = [None] * n
     try:
         async for i, out in merged(streams):
@@ -152,8 +154,11 @@ async def collect(streams: list[RequestStream]):
                 raise_output_error(out)
             texts[i] += out.text
             lps[i].extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                plps[i] = out.prompt_logprobs
             if out.finished:
                 final[i] = out
+                out.prompt_logprobs = plps[i]
     finally:
         release(streams)
     return texts, lps, final

@@ -219,7 +219,8 @@ class ApiContext:
             seed=seed, stop=body.stop_list, stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=bool(body.ignore_eos), logprobs=logprobs, logit_bias=bias,
             min_tokens=min(int(body.min_tokens), max_tokens),
-            include_stop_str_in_output=bool(body.include_stop_str_in_output), grammar=grammar)
+            include_stop_str_in_output=bool(body.include_stop_str_in_output), grammar=grammar,
+            prompt_logprobs=getattr(body, "prompt_logprobs_n", None))
 
     def jobs(self, body, prompts: list[list[int]], max_tokens: list[int], logprobs: Optional[int],
              grammar, bias) -> list:

@@ -111,6 +111,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
@@ -125,11 +126,16 @@ class CompletionRequest(_Sampling):
     def _checks(self):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must equal n)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    @property
+    def prompt_logprobs_n(self) -> Optional[int]:
+        """The top-N of the prompt's logprobs the engine computes: for prompt_logprobs, and for
+        echo with logprobs (the echoed prompt's tokens carry theirs); None = not computed."""
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts of a (possibly batched) completion request, each a str or a token-id list."""
