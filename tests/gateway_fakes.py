@@ -13,6 +13,8 @@ from typing import Optional
 
 import uvicorn
 
+from shepherd.server.guard import BODY_CAP_HEADER
+
 MODES = ("ok", "fail500", "overload503", "full429", "bad400", "die_before_first", "die_after_first", "hang",
          "close_after_read", "health_fail", "health_slow")
 
@@ -35,6 +37,7 @@ class FakeBackend:
         self.bodies: list = []
         self.tokenized = 0         # /tokenize calls
         self.auth: list = []       # the Authorization header of each proxied request
+        self.body_cap: Optional[int] = None   # named in /health's answer, as shepherd's replicas name theirs
         self._lock = threading.Lock()
 
     # deterministic payloads ------------------------------------------------------------
@@ -82,7 +85,8 @@ class FakeBackend:
             if self.mode == "health_slow":          # a busy replica: /health answers, but late
                 await asyncio.sleep(1.0)
             st = 500 if self.mode == "health_fail" else 200
-            return await self._json(send, st, {"status": "ok" if st == 200 else "bad"})
+            cap = [] if self.body_cap is None else [(BODY_CAP_HEADER.encode(), str(self.body_cap).encode())]
+            return await self._json(send, st, {"status": "ok" if st == 200 else "bad"}, headers=cap)
         if path == "/metrics":
             data = self.metrics_text()
             await send({"type": "http.response.start", "status": 200,

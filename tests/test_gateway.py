@@ -636,3 +636,20 @@ def test_http1_client_framings_and_errors():
         await pool.aclose()
 
     asyncio.run(main())
+
+
+def test_gateway_refuses_from_content_length_what_every_replica_would_refuse(cluster_factory):
+    """Replicas name their body cap in /health's answer: a body over the largest is refused at once
+    (413 from Content-Length, before reading or parsing it; issue 31: 10 bodies of 13 MB parsed by
+    the gateway and then refused by the replicas stalled it for 3.3 s), one under it goes on, and
+    while any backend names none (not shepherd) the gateway's own cap holds."""
+    c = cluster_factory(n=2)
+    c.fakes[0].body_cap, c.fakes[1].body_cap = 4096, 8192
+    assert wait_for(lambda: sorted(b.max_body_bytes or 0 for b in c.pool.backends()) == [4096, 8192])
+    r = c.client.post("/v1/completions", json=dict(BODY, prompt="x" * 10_000))
+    assert r.status_code == 413 and "the replicas' --max-body-bytes" in r.json()["error"]["message"], r.text
+    assert sum(f.requests for f in c.fakes) == 0
+    assert c.client.post("/v1/completions", json=dict(BODY, prompt="x" * 6000)).status_code == 200
+    c.fakes[1].body_cap = None
+    assert wait_for(lambda: any(b.max_body_bytes is None for b in c.pool.backends()))
+    assert c.client.post("/v1/completions", json=dict(BODY, prompt="x" * 10_000)).status_code == 200

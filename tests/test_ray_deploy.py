@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import sys
 
@@ -429,6 +430,23 @@ def test_ingress_bad_input_is_a_400_with_an_openai_body_and_no_replica_call():
     assert handle.calls == []
 
 
+def test_ingress_learns_the_replicas_body_cap_from_their_health_answer():
+    """Once a replica's /health answer names its body cap, a body over it is refused from its
+    Content-Length (413, before it is read or parsed, no replica call), as the replica would."""
+    cap = (b"x-shepherd-max-body-bytes", b"4096")
+    handle = FakeHandle([[_start(extra=(cap,)), _body(b"")]], [[_start(), _body(OK)]])
+    app = _app(handle)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            assert (await c.get("/health")).status_code == 200
+            return [await c.post("/v1/completions", json=dict(BODY, prompt="x" * 10_000)),
+                    await c.post("/v1/completions", json=dict(BODY, prompt="x" * 3000))]
+    big, small = asyncio.run(go())
+    assert big.status_code == 413 and "the replicas' --max-body-bytes" in big.json()["error"]["message"]
+    assert small.status_code == 200 and [c.path for c in handle.calls] == ["/health", "/v1/completions"]
+
+
 def test_ingress_tells_the_router_each_attempt_ended():
     class Counting:
         def __init__(self):
@@ -451,6 +469,8 @@ def test_replica_serves_shepherds_app_and_a_cancelled_call_aborts_the_engine_req
     async def go():
         rep = ShepherdReplica.__new__(ShepherdReplica)
         await rep.__init__(["--executor", "sim", "--engine-core", "thread", "--max-total-tokens", "4096"])
+        # the app's lifespan ran, as under uvicorn: the grammar check's worker is already up
+        assert [p.name for p in multiprocessing.active_children()].count("shepherd-grammar-check") == 1
         try:
             body = json.dumps({"prompt": "hello there", "max_tokens": 5}).encode()
             msgs = [m async for batch in rep.serve_http(HttpCall("POST", "/v1/completions", body=body,
@@ -477,4 +497,5 @@ def test_replica_serves_shepherds_app_and_a_cancelled_call_aborts_the_engine_req
             await rep.__del__()
         with pytest.raises(RuntimeError, match="engine not running"):
             rep.check_health()
+        assert "shepherd-grammar-check" not in [p.name for p in multiprocessing.active_children()]
     asyncio.run(go())

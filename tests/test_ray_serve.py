@@ -122,12 +122,12 @@ def env():
             cluster.shutdown()
 
 
-def deploy(env: Env, name: str, opts) -> None:
+def deploy(env: Env, name: str, opts, serve_args: list = SERVE_ARGS) -> None:
     from ray import serve
 
     from shepherd.deploy.ray_serve import build_app
     opts.replica_name, opts.ingress_name = REPLICAS, f"Ingress-{name}"
-    serve.run(build_app(opts, SERVE_ARGS), name=name, route_prefix=f"/{name}")
+    serve.run(build_app(opts, serve_args), name=name, route_prefix=f"/{name}")
     env.app = name
 
 

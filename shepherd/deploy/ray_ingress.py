@@ -17,7 +17,10 @@ The gateway's rules, with a handle in place of HTTP (docs/ROUTING.md):
 - the API key is checked before the body is read (401, OpenAI body), and the
   body is read and parsed by the same door as `shepherd serve`'s
   (server/guard.py: 413 over the cap, 408 when it is slower than
-  `body_timeout`, 400 for malformed, too deep or lone-surrogate JSON);
+  `body_timeout`, 400 for malformed, too deep or lone-surrogate JSON); the
+  cap is `max_body_bytes`, lowered to the replicas' own once a replica's
+  /health answer names it, so a body every replica would refuse is refused
+  from its Content-Length instead of being read and parsed here first;
 - a failure before the first byte went to the client (the replica died,
   timed out, refused with 429/503) is retried on another replica, at most
   `retries` times with exponential backoff; the client then gets the last
@@ -54,7 +57,8 @@ from shepherd.deploy.ray_call import HttpCall, live_router
 from shepherd.gateway.intake import (error_body, json_500_on_error, read_json_object, route_request_from, send_json,
                                      send_metrics, split_headers, usage_tokens, watch_disconnect)
 from shepherd.gateway.kv_routing import PromptTokens
-from shepherd.server.guard import DEFAULT_BODY_TIMEOUT, Parser, Refusal, key_error, read_body
+from shepherd.server.guard import (BODY_CAP_HEADER, DEFAULT_BODY_TIMEOUT, Parser, Refusal, body_cap_of, front_cap,
+                                   key_error, read_body)
 
 log = logging.getLogger("shepherd.deploy")
 
@@ -99,6 +103,9 @@ class IngressApp:
         self.parser = Parser()
         self.tokens = PromptTokens(self.cfg.tokenizer) if self.cfg.tokenizer else None
         self.in_flight = 0
+        # the replicas' body cap, from their /health answers: every replica of the deployment runs
+        # the same flags, so one answer stands for all (None: none seen yet; the ingress's own cap)
+        self.replica_cap: Optional[int] = None
         self._warmup: Optional[asyncio.Future] = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -108,7 +115,7 @@ class IngressApp:
                 kind = msg["type"].rsplit(".", 1)[-1]          # startup | shutdown
                 if kind == "startup":
                     # the handle makes its router on its first call: make it now, so that /metrics
-                    # shows the replicas before any traffic
+                    # shows the replicas before any traffic; the answer names the replicas' body cap
                     self._warmup = asyncio.ensure_future(self._health_probe())
                 await send({"type": f"lifespan.{kind}.complete"})
                 if kind == "shutdown":
@@ -128,21 +135,23 @@ class IngressApp:
             self.metrics.errors.labels("unauthorized").inc()
             return await send_json(send, refused.status, refused.payload())
         cfg = self.cfg
+        if self.replica_cap is None and self._warmup is not None and self._warmup.done():
+            # the probe at startup got no answer (no replica yet): ask again, one probe at a time
+            self._warmup = asyncio.ensure_future(self._health_probe())
+        cap, flag = front_cap(cfg.max_body_bytes, "ingress body cap", [self.replica_cap])
         try:
             headers, xh = split_headers(scope["headers"])
             body, route = b"", None
             if method not in ("GET", "HEAD"):
                 if path in ROUTED_PATHS and method == "POST":
-                    got = await read_json_object(receive, scope, self.parser, cfg.max_body_bytes,
-                                                 cfg.body_timeout, "ingress body cap")
+                    got = await read_json_object(receive, scope, self.parser, cap, cfg.body_timeout, flag)
                     if got is not None:
                         body, payload = got
                         route = route_request_from(payload, ROUTED_PATHS[path], xh, time.monotonic())
                         if self.tokens is not None and route.token_ids is None:
                             route.token_ids = await self.tokens.ids(payload, ROUTED_PATHS[path] == "chat", (), None)
                 else:
-                    got = body = await read_body(receive, scope, cfg.max_body_bytes, cfg.body_timeout,
-                                                 "ingress body cap")
+                    got = body = await read_body(receive, scope, cap, cfg.body_timeout, flag)
                 if got is None:
                     self.metrics.errors.labels("client_abort").inc()
                     return
@@ -157,11 +166,19 @@ class IngressApp:
     async def _health_probe(self) -> None:
         gen = self.handle.remote(HttpCall("GET", "/health"))
         try:
-            await asyncio.wait_for(gen.__anext__(), self.cfg.read_timeout)
+            self._learn_cap(await asyncio.wait_for(gen.__anext__(), self.cfg.read_timeout))
         except Exception:  # noqa: BLE001 - a replica not up yet; traffic will make the router anyway
             pass
         finally:
             _cancel(gen)
+
+    def _learn_cap(self, batch: list) -> None:
+        """Keep the body cap a replica's /health answer names (its first ASGI messages)."""
+        for msg in batch:
+            if msg["type"] == "http.response.start":
+                cap = body_cap_of(_header(list(msg.get("headers") or []), BODY_CAP_HEADER.encode()))
+                if cap is not None:
+                    self.replica_cap = cap
 
     async def _guarded(self, receive, send, call: HttpCall, timeout: float) -> None:
         """Dispatch; a client that leaves cancels it (and so the replica's call)."""
@@ -217,6 +234,8 @@ class IngressApp:
                 return _Outcome(False, f"{type(e).__name__}: {e}"[:300])
             start, pending = batch[0], list(batch[1:])
             status, headers = start["status"], list(start.get("headers") or [])
+            if call.path == "/health":
+                self._learn_cap(batch)
             out.replica = _header(headers, REPLICA_HEADER)
             if status in (429, 503):     # "busy, try elsewhere"; not a failure of the replica
                 data = await self._rest_of_body(gen, pending, timeout)

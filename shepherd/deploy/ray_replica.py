@@ -2,7 +2,8 @@
 
 A replica is what `shepherd serve` runs, minus uvicorn: the engine (with its
 engine-core process, built from the same flags by serve_cli) and shepherd's
-own OpenAI app (`server/openai_api.build_app`). The ingress forwards each
+own OpenAI app (`server/openai_api.build_app`), whose lifespan the replica
+runs as uvicorn would (the engine's start and stop, the warm grammar worker). The ingress forwards each
 HTTP request as an `HttpCall`; `serve_http` runs it through that app in
 process and streams the app's ASGI messages back, so validation, 4xx bodies,
 429 with Retry-After, auth and SSE are the server's code, unchanged.
@@ -57,6 +58,41 @@ def with_kv_events(args: argparse.Namespace, host: str) -> tuple[argparse.Namesp
                  "kv_topic": cfg.get("topic", "")}
 
 
+class _Lifespan:
+    """An ASGI app's lifespan, driven as a server drives it: startup, then shutdown."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._replies: asyncio.Queue = asyncio.Queue()
+        self._task: Optional[asyncio.Future] = None
+
+    async def _say(self, kind: str, timeout: float) -> None:
+        await self._inbox.put({"type": f"lifespan.{kind}"})
+        reply = asyncio.ensure_future(self._replies.get())
+        await asyncio.wait({reply, self._task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not reply.done():                     # the app ended (it raised) or took too long
+            reply.cancel()
+            why = repr(self._task.exception()) if self._task.done() and not self._task.cancelled() else "timeout"
+            raise RuntimeError(f"shepherd's app did not complete its {kind}: {why}")
+        if reply.result()["type"] != f"lifespan.{kind}.complete":
+            raise RuntimeError(f"shepherd's app failed its {kind}: {reply.result().get('message', '')}")
+
+    async def startup(self, timeout: float = 300.0) -> None:
+        self._task = asyncio.ensure_future(self.app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
+                                                    self._inbox.get, self._replies.put))
+        await self._say("startup", timeout)
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        if self._task is None or self._task.done():
+            return
+        try:
+            await self._say("shutdown", timeout)
+        finally:
+            if not self._task.done():
+                self._task.cancel()
+
+
 class ShepherdReplica:
     """The Ray Serve deployment class (ray_serve.py wraps it with `serve.deployment`)."""
 
@@ -84,7 +120,12 @@ class ShepherdReplica:
         # engine-core process dies with the thread that started it (PR_SET_PDEATHSIG)
         self.engine = serve_cli.build_engine(args, eng_cfg)
         self.app = build_app(self.engine, srv_cfg)
-        await self.engine.start()
+        # the app's own startup, as uvicorn runs it for `shepherd serve`: the engine, and the grammar
+        # check's worker process started warm (started on the first grammar request instead, its
+        # seconds of imports landed beside the engine on the request path: a 0.6 s gap in an
+        # innocent stream under tests/test_ray_stall.py's enum attack)
+        self._lifespan = _Lifespan(self.app)
+        await self._lifespan.startup()
         self.url: Optional[str] = None
         self._http = None
         if http:
@@ -122,7 +163,8 @@ class ShepherdReplica:
     async def __del__(self) -> None:
         if self._http is not None:
             self._http[0].should_exit = True
-        await self.engine.stop()
+        await self._lifespan.shutdown()
+        await self.engine.stop()            # a no-op once the app's shutdown stopped it
 
     # ------------------------------------------------------------------ requests
     async def serve_http(self, call: HttpCall) -> AsyncIterator[list]:

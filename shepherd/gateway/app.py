@@ -51,7 +51,7 @@ from shepherd.gateway.intake import (error_body, json_500_on_error, read_json_ob
 from shepherd.gateway.kv_routing import KVRouting
 from shepherd.gateway.proxy import Proxy
 from shepherd.routing import RoutingPolicy
-from shepherd.server.guard import Parser, Refusal, key_error
+from shepherd.server.guard import Parser, Refusal, front_cap, key_error
 
 log = logging.getLogger("shepherd.gateway")
 
@@ -69,7 +69,7 @@ class GatewayConfig:
     write_timeout: float = 30.0
     pool_timeout: float = 30.0
     max_keepalive: int = 512         # idle connections kept per backend
-    max_body_bytes: int = 16 << 20   # 413 beyond (the replicas have their own, usually smaller, cap)
+    max_body_bytes: int = 16 << 20   # 413 beyond; lowered to the replicas' own caps once they name them
     body_timeout: float = 30.0       # 408 when a body takes longer to arrive
     models_timeout: float = 5.0
     backend_header: bool = True      # add x-shepherd-backend to responses
@@ -237,8 +237,9 @@ class Gateway:
     async def _proxy(self, scope, receive, send, path: str) -> None:
         m, cfg = self.metrics, self.cfg
         try:
-            got = await read_json_object(receive, scope, self.parser, cfg.max_body_bytes, cfg.body_timeout,
-                                         "gateway body cap")
+            cap, flag = front_cap(cfg.max_body_bytes, "gateway body cap",
+                                  [b.max_body_bytes for b in self.pool.backends()])
+            got = await read_json_object(receive, scope, self.parser, cap, cfg.body_timeout, flag)
             if got is None:
                 m.errors.labels("client_abort").inc()
                 return

@@ -26,6 +26,7 @@ from typing import Iterable, Optional
 import httpx
 
 from shepherd.routing import ReplicaState
+from shepherd.server.guard import BODY_CAP_HEADER, body_cap_of
 
 log = logging.getLogger("shepherd.gateway")
 
@@ -138,6 +139,7 @@ class Backend:
         self.removed = False
         self.ejections = 0
         self.last_progress = time.monotonic()   # when a byte last came from it (health or traffic)
+        self.max_body_bytes: Optional[int] = None   # its body cap, from its /health answer (shepherd's)
 
     @property
     def healthy(self) -> bool:
@@ -297,6 +299,7 @@ class BackendPool:
         else:
             reason = f"health: HTTP {r.status_code}"
             b.last_progress = time.monotonic()
+            b.max_body_bytes = body_cap_of(r.headers.get(BODY_CAP_HEADER))
         if b.removed:
             return ok
         if ok:

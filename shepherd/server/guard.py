@@ -38,6 +38,11 @@ LARGE_BODY = 64 << 10        # bodies from this size are parsed one per turn of 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
                         "/openapi.json"})
 SCOPE_JSON = "shepherd.json"
+# a replica's /health answer names its body cap, so that a gateway or the Ray ingress in front of it
+# refuses from Content-Length what every replica would refuse, instead of reading and parsing it
+# first (10 bodies of 13 MB, parsed by the gateway and then refused by the replicas, held the
+# gateway's event loop for 3.3 s: docs/SERVING.md, the stall table through the gateway)
+BODY_CAP_HEADER = "x-shepherd-max-body-bytes"
 
 # a lone surrogate can only enter as a \uD800-\uDFFF escape or as the raw (invalid) UTF-8 bytes
 # of one, which json.loads accepts from bytes; without either the walk is skipped
@@ -118,6 +123,24 @@ async def read_body(receive, scope, max_bytes: int, timeout: Optional[float], fl
         raise Refusal(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)",
                       "body_timeout") from None
     return b"".join(chunks) if whole else None
+
+
+def body_cap_of(value: Optional[str]) -> Optional[int]:
+    """The cap a replica's BODY_CAP_HEADER names, or None (absent or not a positive integer)."""
+    try:
+        cap = int(value) if value is not None else 0
+    except ValueError:
+        return None
+    return cap if cap > 0 else None
+
+
+def front_cap(own: int, own_flag: str, replica_caps: list) -> tuple[int, str]:
+    """(the body cap of a proxy in front of replicas, what sets it, for the 413's message): its own,
+    lowered to the largest of the replicas' caps once every replica has named one (None: it has
+    not yet, or it is not shepherd), since a body over all of them would only be refused by them."""
+    if replica_caps and None not in replica_caps and max(replica_caps) < own:
+        return max(replica_caps), "the replicas' --max-body-bytes"
+    return own, own_flag
 
 
 def json_depth(body: bytes) -> int:

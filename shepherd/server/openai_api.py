@@ -43,7 +43,7 @@ from shepherd.server.chat_api import ChatRoutes
 from shepherd.server.common import APIError, TokenStrings, error_response, validation_message
 from shepherd.server.completions_api import CompletionRoutes
 from shepherd.server.grammar_check import GrammarCheck
-from shepherd.server.guard import BodyGuard, JsonRoute
+from shepherd.server.guard import BODY_CAP_HEADER, BodyGuard, JsonRoute
 from shepherd.server.limits import Limits
 from shepherd.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
                                      UnloadLoraAdapterRequest)
@@ -302,10 +302,11 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
 
     @app.get("/health")
     async def health():
+        cap = {BODY_CAP_HEADER: str(lim.max_body_bytes)}      # for a gateway or Ray ingress in front
         if engine.alive:
-            return Response(status_code=200)
+            return Response(status_code=200, headers=cap)
         return error_response(503, f"engine not running: {engine.dead_reason or 'not started'}",
-                              "server_error", code=503)
+                              "server_error", code=503, headers=cap)
 
     @app.get("/metrics")
     async def metrics():
