@@ -5,6 +5,7 @@
     python benchmarks/stall_attacks.py --repeat 3 --attacks choice,enum --executor sim
     python benchmarks/stall_attacks.py --write docs/SERVING.md  # replace the table between its markers
     python benchmarks/stall_attacks.py --root /path/to/old/checkout --timeout 120   # a before
+    python benchmarks/stall_attacks.py --target gateway --write docs/SERVING.md --section gateway
 
 For each attack: an innocent client streams a completion (the official
 `openai` client, greedy, ignore_eos) and a poller GETs /health every 20 ms;
@@ -191,9 +192,13 @@ def table(rows: list, repeat: int, target: str) -> str:
     return "\n".join(out)
 
 
-def write_docs(path: str, block: str) -> None:
+def write_docs(path: str, block: str, section: str = "") -> None:
+    """Replace the text between the markers (`<!-- stall-attacks-SECTION:begin -->` with a section)."""
+    begin, end = MARK_BEGIN, MARK_END
+    if section:
+        begin, end = (m.replace("stall-attacks:", f"stall-attacks-{section}:") for m in (MARK_BEGIN, MARK_END))
     text = open(path, encoding="utf-8").read()
-    a, b = text.index(MARK_BEGIN) + len(MARK_BEGIN), text.index(MARK_END)
+    a, b = text.index(begin) + len(begin), text.index(end)
     open(path, "w", encoding="utf-8").write(text[:a] + "\n" + block + "\n" + text[b:])
 
 
@@ -236,6 +241,8 @@ def main() -> None:
     ap.add_argument("--logs", default="/tmp")
     ap.add_argument("--root", default=ROOT, help="the checkout whose shepherd serves (default: this one)")
     ap.add_argument("--write", default=None, help="a docs file to write the table into (between its markers)")
+    ap.add_argument("--section", default="", help="with --write: the markers stall-attacks-SECTION (a second "
+                    "table in the same file, e.g. gateway, before)")
     args = ap.parse_args()
     every = attacks()
     chosen = [a for a in args.attacks.split(",") if a]
@@ -257,7 +264,7 @@ def main() -> None:
     block = table(rows, args.repeat, args.target)
     print("\n" + block)
     if args.write:
-        write_docs(args.write, block)
+        write_docs(args.write, block, args.section)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa:
 MARK_BEGIN, MARK_END = "<!-- threads-contention:begin -->", "<!-- threads-contention:end -->"
 DEFAULT_VARIANTS = [
     "default=",
-    "spin-default=env:SHEPHERD_OMP_SPIN=libgomp",      # libgomp's own spin count (the old default)
+    "fixed2=--num-threads 2",      # two spinning threads whatever the load: the layout before issue 31
     "passive=env:OMP_WAIT_POLICY=passive",
     "threads1=--num-threads 1",
 ]
