@@ -6,6 +6,7 @@
     python benchmarks/stall_attacks.py --write docs/SERVING.md  # replace the table between its markers
     python benchmarks/stall_attacks.py --root /path/to/old/checkout --timeout 120   # a before
     python benchmarks/stall_attacks.py --target gateway --write docs/SERVING.md --section gateway
+    python benchmarks/stall_attacks.py --target ray --write docs/SERVING.md --section ray   # Ray Serve
 
 For each attack: an innocent client streams a completion (the official
 `openai` client, greedy, ignore_eos) and a poller GETs /health every 20 ms;
@@ -213,6 +214,15 @@ def launch(args) -> tuple[str, list]:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, procs)
         return url, procs
+    if args.target == "ray":
+        # `shepherd ray-serve`: a local Ray, Serve's proxy, the ingress and one replica (the same serve
+        # flags); SIGTERM (stop_server) makes it delete the app and shut Ray down
+        port = args.port or free_port()
+        ray = serve[:3] + ["ray-serve"] + serve[4:] + ["--address", "local", "--replicas", "1", "--port", str(port)]
+        procs = [start(ray, os.path.join(args.logs, "ray-serve.log"), args.root)]
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, procs)
+        return url, procs
     ports = [args.port + 1 if args.port else free_port(), args.port + 2 if args.port else free_port()]
     procs = [start(serve + ["--port", str(p)], os.path.join(args.logs, f"replica{i}.log"), args.root)
              for i, p in enumerate(ports)]
@@ -229,7 +239,8 @@ def launch(args) -> tuple[str, list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", choices=["serve", "gateway"], default="serve")
+    ap.add_argument("--target", choices=["serve", "gateway", "ray"], default="serve",
+                    help="a replica; a gateway over two; the Ray Serve ingress over one replica")
     ap.add_argument("--model", default=None)
     ap.add_argument("--executor", default="torch", choices=["torch", "sim"])
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
