@@ -80,6 +80,7 @@ class Step(NamedTuple):
     end: float
     step_time: Optional[float]       # the executor's own figure; None when nothing ran
     scheduler_s: float               # wall seconds in schedule() + on_step() (calibrate fits them)
+    schedule_s: float = 0.0          # of those, schedule()'s (sim/host_profile.py)
 
     @property
     def ran(self) -> bool:
@@ -103,7 +104,8 @@ class EngineCore:
         batch = sched.schedule(now)
         if batch.empty:
             outs = self._hand_out(sched.on_step(batch, StepResult(), now), hold=False)
-            return Step(batch, outs, now, now, None, time.perf_counter() - t0)
+            t = time.perf_counter() - t0
+            return Step(batch, outs, now, now, None, t, t)
         t1 = time.perf_counter()
         start = self.clock.start(now)
         self.step_started = time.monotonic()
@@ -116,7 +118,7 @@ class EngineCore:
         outs = sched.on_step(batch, result, end)
         self.num_steps += 1
         outs = self._hand_out(outs, hold=sched.in_window)
-        return Step(batch, outs, start, end, result.step_time, (t1 - t0) + (time.perf_counter() - t2))
+        return Step(batch, outs, start, end, result.step_time, (t1 - t0) + (time.perf_counter() - t2), t1 - t0)
 
     def _hand_out(self, outs: list[RequestOutput], hold: bool) -> list[RequestOutput]:
         if hold:

@@ -91,6 +91,7 @@ class ServedCore:
         self.kv_events = kv_events                    # KVEventPublisher (vLLM's ZMQ stream), when configured
         self.step_logger = StepLogger(log_every_steps)
         self.last_stats = self.scheduler.stats()
+        self.last_step = None                          # the last EngineCore Step (sim/host_profile.py times its parts)
         self._reqs: dict[str, Request] = {}
         self._first: set[str] = set()                  # requests that have not produced a token yet
         # requests whose grammar the executor is still compiling: outside the scheduler, so no
@@ -209,7 +210,7 @@ class ServedCore:
     def step(self) -> tuple[list[tuple], Optional[float], int]:
         """One EngineCore.step now: (outputs, executor step time or None, tokens generated).
         The scheduler's stats after a step that ran are kept in `self.last_stats`."""
-        step = self.core.step(time.monotonic())
+        step = self.last_step = self.core.step(time.monotonic())
         outs = self._outputs(step.outputs)
         if not step.ran:
             return outs, None, 0

@@ -236,6 +236,9 @@ class TorchExecutor:
         self.sampler.grammar = GrammarMasks(self.tokenizer, vocab_size=mcfg.vocab_size)
         self.drafter = make_drafter(cfg.scheduler.speculative, cfg, self)
         self.reqs: dict[str, _ReqState] = {}
+        # the last step's host and device parts, in seconds (sim/host_profile.py reads them):
+        # building the inputs, the forward, the sample and what follows it
+        self.last_parts = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}
         self._init_lora(cfg, mcfg)
         self._arange = torch.arange(max(self.max_model_len, 1) + kv_block, dtype=torch.long)
         self._zeros = torch.zeros(16, dtype=torch.long)
@@ -578,13 +581,25 @@ class TorchExecutor:
         return logits[: len(want.rows)], want.sampled
 
     def _forward(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, _LogitRows]:
+        t0 = time.perf_counter()
         inp, want = self.build_input(seqs)
         if self.device.type != "cpu":
             inp = _to_device(inp, self.device)
-        return self.model.forward(inp, self.kv_pool), want
+        t1 = time.perf_counter()
+        logits = self.model.forward(inp, self.kv_pool)
+        parts = self.last_parts
+        parts["prepare"], parts["forward"] = t1 - t0, time.perf_counter() - t1
+        return logits, want
 
     def _run(self, seqs: list[ScheduledSeq], res: StepResult) -> None:
         logits, want = self._forward(seqs)
+        t0 = time.perf_counter()
+        try:
+            self._sample(seqs, logits, want, res)
+        finally:
+            self.last_parts["sample"] = time.perf_counter() - t0
+
+    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor, want: _LogitRows, res: StepResult) -> None:
         sampled = want.sampled
         if want.prompt:
             self._score_prompts(logits[len(want.rows):], want.prompt)

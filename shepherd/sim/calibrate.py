@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-rounds", type=int, default=3,
                    help="measure every served point this many times, interleaved; each point is the median")
     p.add_argument("--served-args", default="", help="extra `shepherd serve` flags for --served (one string)")
+    p.add_argument("--host-path", action="store_true",
+                   help="profile the engine's per-step CPU path part by part (schedule, prepare, sample, "
+                        "update, front: sim/host_profile.py) and write it to OUT instead of a step-time model "
+                        "(`shepherd simulate --host-path OUT`)")
 
 
 def collect_samples(executor, sched_cfg, batch_sizes, prompt_lens, decode_steps: int,
@@ -119,6 +123,8 @@ def main(args) -> int:
 
     if args.from_samples:
         return _refit(args)
+    if args.host_path:
+        return _host_path(args)
     try:
         from shepherd.engine.torch_executor import TorchExecutor
     except ModuleNotFoundError as e:
@@ -311,6 +317,45 @@ def fit_overhead(host: list) -> tuple[float, float]:
     if a < 0:
         return 0.0, float(max((t / n).mean(), 0.0))
     return float(a), float(b)
+
+
+def _host_path(args) -> int:
+    """--host-path: the served engine (serve's build, one thread by default as the validation
+    runs it) through sim/host_profile.py; writes the HostPath JSON."""
+    from shepherd.config import EngineConfig
+    from shepherd.engine.build import build_served_core
+    from shepherd.sim.host_profile import profile_host_path
+    bs = [int(x) for x in args.batch_sizes.split(",") if x]
+    ps = [int(x) for x in args.prompt_lens.split(",") if x]
+    ecfg = EngineConfig(model=args.model, executor="torch")
+    ecfg.dtype = args.dtype or ecfg.dtype
+    ecfg.num_threads = args.num_threads or 1
+    ecfg.max_total_tokens = args.max_total_tokens or max(bs) * (max(ps) + args.decode_steps + 16)
+    ecfg.scheduler.max_batch_size = max(bs)
+    ecfg.scheduler.prefix_cache = False
+    if args.max_num_tokens:
+        ecfg.scheduler.max_num_tokens = args.max_num_tokens
+    t0 = time.perf_counter()
+    served = build_served_core(ecfg)
+    print(f"calibrate: host path, grid batch sizes {bs} x prompt lengths {ps}, {args.decode_steps} decode steps, "
+          f"{args.repeats} repeats", file=sys.stderr)
+    host = profile_host_path(served, bs, ps, args.decode_steps, repeats=max(1, args.repeats),
+                             warmup=args.warmup, log=lambda m: print(m, file=sys.stderr))
+    host.meta.update({"dtype": ecfg.dtype, "num_threads": ecfg.num_threads, "seconds": time.perf_counter() - t0,
+                      "command": "shepherd calibrate --host-path " + " ".join(
+                          f"--{k.replace('_', '-')} {v}" for k, v in (("batch_sizes", args.batch_sizes),
+                                                                       ("prompt_lens", args.prompt_lens),
+                                                                       ("decode_steps", args.decode_steps),
+                                                                       ("repeats", args.repeats)))})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    host.save(args.out)
+    for name, part in host.parts_time(1, 1).items():
+        p = getattr(host, name)
+        print(f"calibrate: {name:<8} {p.fixed * 1e6:8.1f} us + {p.per_req * 1e6:6.2f} us/request"
+              f" + {p.per_token * 1e6:6.3f} us/token (median error {host.meta['fit_error'].get(name, 0):.1%})",
+              file=sys.stderr)
+    print(f"calibrate: wrote {args.out} ({host.meta['steps']} steps, {host.meta['seconds']:.0f} s)", file=sys.stderr)
+    return 0
 
 
 def _write_samples(path: str, samples) -> None:

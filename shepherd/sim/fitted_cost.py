@@ -498,11 +498,13 @@ def from_distserve(model: str = "opt-13b", gpu: str = "a100-80gb", tp: int = 1,
 def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1,
                     cost_model: Optional[str] = None, step_overhead: Optional[float] = None,
                     seq_overhead: Optional[float] = None, overlap: Optional[bool] = None,
-                    frontend: Optional[float] = None) -> CostModel:
+                    frontend: Optional[float] = None, host_path: Optional[str] = None) -> CostModel:
     """--cost-model: a JSON file written by `shepherd calibrate` (or any fitted
     model), 'roofline' (default), 'vidur', 'splitwise' or 'distserve' (OPT-13B on A100-80GB); --step-overhead and
     --seq-overhead replace the model's per-step overhead terms; --overlap-output
-    sets overlap (None keeps the model's own: off, or what its JSON says)."""
+    sets overlap (None keeps the model's own: off, or what its JSON says). host_path ('default' or a
+    FILE of `shepherd calibrate --host-path`): the per-step CPU from shepherd's measured parts
+    instead of the overhead terms (sim/host_path.py)."""
     if cost_model in (None, "", "roofline"):
         cm: CostModel = RooflineCostModel(model, gpu, tp=tp)
     else:
@@ -520,6 +522,12 @@ def make_cost_model(model: str = "llama-3-8b", gpu: str = "h100", *, tp: int = 1
         if frontend < 0:
             raise ValueError(f"frontend latency must be >= 0 seconds, got {frontend}")
         cm.frontend = float(frontend)
+    if host_path:
+        from shepherd.sim.host_path import HostPathCostModel, load_host_path
+        if step_overhead is not None or seq_overhead is not None or overlap:
+            raise ValueError("--host-path models the per-step overhead from its parts: "
+                             "drop --step-overhead / --seq-overhead / --overlap-output")
+        cm = HostPathCostModel(cm, load_host_path(host_path))
     return cm
 
 

@@ -119,6 +119,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM v0.6's asynchronous output processing: the per-request overhead runs on the CPU "
                         "while the GPU computes the next step, so a step costs step-overhead + max(GPU time, "
                         "seq-overhead x batch) instead of their sum")
+    c.add_argument("--host-path", default=None, metavar="FILE|default",
+                   help="price each step's CPU from shepherd's own engine, part by part (schedule, prepare, "
+                        "sample, update; the front process beside them): a profile of `shepherd calibrate "
+                        "--host-path`, or 'default' for the one shipped (measured once, on the machine its meta names); "
+                        "replaces --step-overhead / --seq-overhead and the cost model's own overhead")
     c.add_argument("--frontend-latency", type=float, default=None, metavar="S",
                    help="seconds added to every request's TTFT for the serving frontend (HTTP, tokenising, "
                         "the pipe to the engine and back; default: what `shepherd calibrate --served` measured, "
@@ -238,7 +243,7 @@ def main(args) -> int:
         k, v = kv.split("=", 1)
         knobs[k] = v
     cost_knobs = dict(step_overhead=args.step_overhead, seq_overhead=args.seq_overhead,
-                      overlap=args.overlap_output, frontend=args.frontend_latency)
+                      overlap=args.overlap_output, frontend=args.frontend_latency, host_path=args.host_path)
     try:
         cfg = SimConfig(model=args.model, gpu=args.gpu, tp=args.tp, replicas=args.replicas, router=args.router,
                         router_knobs=knobs, scheduler=sched, kv_capacity=args.max_total_tokens,

@@ -254,8 +254,9 @@ class Simulator:
         if cfg.kv_capacity:
             cap = cfg.kv_capacity
         else:
+            gpu_model = getattr(cost, "gpu_model", cost)       # a HostPathCostModel's own GPU model
             cap = cost.kv_capacity_tokens(mem_fraction=cfg.mem_fraction, page_size=page) \
-                if isinstance(cost, RooflineCostModel) else cost.kv_capacity_tokens()
+                if isinstance(gpu_model, RooflineCostModel) else cost.kv_capacity_tokens()
         cap = whole_pages(cap, page)
         sched = dataclasses.replace(cfg.scheduler, max_total_tokens=cap, **g.scheduler).validate()
         host = host_pool_tokens(cfg.host_kv_tokens, cap, sched.preemption)
