@@ -6,6 +6,8 @@
         throughput.png      output tok/s and requests in flight over time
         latency_cdf.png     TTFT, TPOT, ITL, E2E
         client_service.png  cumulative service per client (more than one client)
+        replicas.png        per replica: KV used and cached over its capacity; running and queued (simulator)
+        prefix_time.png     prefix hit rate by arrival time against both bounds (simulator, with the bounds)
     draw_timeline(ax, records, ...)   the Gantt rows on an axis (benchmarks reuse it)
 
 `title` names the run (router, replicas, model) and heads every plot.
@@ -213,6 +215,60 @@ def _client_service(plt, out: Path, stats: RecordStats, title: str, paths: list)
     plt.close(fig)
 
 
+MAX_REPLICA_LINES = 16
+
+
+def replicas_figure(plt, ts: dict, title: str = ""):
+    """Each replica's KV (used by requests, and with the cached tokens, over its own capacity)
+    and its running and queued requests over time; the first MAX_REPLICA_LINES replicas."""
+    t = np.asarray(ts["t"])
+    ids = ts["replica_ids"][:MAX_REPLICA_LINES]
+    n = len(ids)
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
+    colors = plt.get_cmap("tab20" if n > 10 else "tab10")
+    for i, rid in enumerate(ids):
+        cap = max(1.0, float(ts["replica_kv_capacity"][i]))
+        used = np.asarray(ts["replica_kv_used"][i]) / cap
+        held = used + np.asarray(ts["replica_kv_cached"][i]) / cap
+        c = colors(i % colors.N)
+        a1.plot(t, used, color=c, lw=1, drawstyle="steps-post", label=f"replica {rid}")
+        a1.plot(t, held, color=c, lw=0.7, ls=":", drawstyle="steps-post")
+        a2.plot(t, ts["replica_running"][i], color=c, lw=1, drawstyle="steps-post", label=f"replica {rid} running")
+        a2.plot(t, ts["replica_waiting"][i], color=c, lw=0.8, ls="--", drawstyle="steps-post",
+                label=f"replica {rid} queued")
+    a1.set_ylabel("KV / capacity")
+    a1.set_ylim(0, 1.05)
+    a1.legend(fontsize=7, ncol=4, loc="upper right")
+    a2.set_ylabel("requests (solid running, dashed queued)")
+    a2.set_xlabel("time (s)")
+    more = len(ts["replica_ids"]) - n
+    a1.set_title(_head(title, "per replica: KV used by requests (solid) and with cached prefixes (dotted)"
+                       + (f"; first {n} of {n + more} replicas" if more > 0 else "")), fontsize=10)
+    return fig
+
+
+def prefix_figure(plt, ts: dict, title: str = ""):
+    """Prefix hit rate of the requests arriving in each time bin: achieved, and the two bounds
+    (one cache that never forgets; one LRU cache of the whole cluster's KV)."""
+    edges = np.asarray(ts["prefix_edges"])
+    mid = (edges[:-1] + edges[1:]) / 2
+    q = np.asarray(ts["prefix_query"], dtype=float)
+    ok = q > 0
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    for key, label, style in (("prefix_hit_infinite", "bound: infinite cache", ":"),
+                              ("prefix_hit_lru_cluster", "bound: cluster-wide LRU", "--"),
+                              ("prefix_hit", "achieved", "-")):
+        rate = np.asarray(ts[key], dtype=float)[ok] / q[ok]
+        ax.plot(mid[ok], rate, style, lw=1.3, label=label)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("arrival time (s)")
+    ax.set_ylabel("prefix hit rate (tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(_head(title, f"prefix hit rate by arrival time, bins of {edges[1] - edges[0]:.3g} s"), fontsize=10)
+    return fig
+
+
 def write_plots(out_dir, stats: RecordStats, timeseries: Optional[dict] = None, *, title: str = "",
                 timeline_window: Optional[tuple[float, float]] = None) -> list[Path]:
     import matplotlib
@@ -223,6 +279,14 @@ def write_plots(out_dir, stats: RecordStats, timeseries: Optional[dict] = None, 
     _timeline(plt, out, stats, title, timeline_window, paths)
     if timeseries and len(timeseries.get("t", ())) > 1:
         _kv(plt, out, timeseries, title, paths)
+        if timeseries.get("replica_ids"):
+            fig = replicas_figure(plt, timeseries, title)
+            _save(fig, out / "replicas.png", paths)
+            plt.close(fig)
+    if timeseries and timeseries.get("prefix_query"):
+        fig = prefix_figure(plt, timeseries, title)
+        _save(fig, out / "prefix_time.png", paths)
+        plt.close(fig)
     _throughput(plt, out, stats, title, paths)
     _latency(plt, out, stats, title, paths)
     if stats.completed:
@@ -232,4 +296,4 @@ def write_plots(out_dir, stats: RecordStats, timeseries: Optional[dict] = None, 
     return paths
 
 
-__all__ = ["write_plots", "draw_timeline", "intervals_of", "STATE_COLORS"]
+__all__ = ["write_plots", "draw_timeline", "intervals_of", "STATE_COLORS", "replicas_figure", "prefix_figure"]

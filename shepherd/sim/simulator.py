@@ -57,7 +57,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from shepherd.bench.records import RequestRecord, TraceRequest
-from shepherd.bench.stream import RecordStats
+from shepherd.bench.stream import RecordStats, TimeBins
 from shepherd.bench.traces import prompt_token_ids, session_stream
 from shepherd.config import SchedulerConfig, host_pool_tokens, whole_pages
 from shepherd.request import Request, SamplingParams
@@ -299,6 +299,8 @@ class Simulator:
 
     def _emit(self, rec: RequestRecord) -> None:
         self.stats.add(rec)
+        if rec.cached_tokens:
+            self._hits.add1("prefix_hit", rec.arrival, rec.cached_tokens)
         if self._on_record is not None:
             self._on_record(rec)
         if not self.cfg.keep_records:
@@ -360,6 +362,7 @@ class Simulator:
         self.rejections: dict = {}
         beyond0 = self._beyond_counts()
         self.stats = RecordStats(seed=cfg.seed)
+        self._hits = TimeBins()          # prefix tokens asked, hit, and the bounds' hits, by arrival time
         self._on_record = on_record
         self._lists = cfg.keep_records or on_record is not None    # else token times go to the stats alone
         bounds = HitRateBounds(self.kv_capacity_total, cfg.block_size) if cfg.cache_bounds else None
@@ -373,7 +376,13 @@ class Simulator:
                                  f"after one at {last}")
             last = tr.arrival
             if bounds is not None:
+                inf0, lru0 = bounds.hit_inf, bounds.hit_lru
                 bounds.observe(tr)
+                # the bounds' hits by arrival time, beside the achieved ones (_emit): plots.py's prefix_time.png
+                bins = self._hits
+                bins.add1("prefix_query", tr.arrival, tr.prompt_tokens)
+                bins.add1("prefix_hit_infinite", tr.arrival, bounds.hit_inf - inf0)
+                bins.add1("prefix_hit_lru_cluster", tr.arrival, bounds.hit_lru - lru0)
             rec = self._arrive(tr, n - 1)
             if cfg.keep_records:
                 records.append(rec)
@@ -484,21 +493,42 @@ class Simulator:
         if not series:
             return {}, exact if len(reps) == 1 else sum(r.kv_peak for r in reps)
         alls = np.unique(np.concatenate([np.asarray(s.t) for s in series]))
-        cols = np.zeros((4, alls.size))
-        for s in series:
+        # per replica (those with a series, in replica order): [replica, column, time]
+        per = np.zeros((len(series), 4, alls.size))
+        for i, s in enumerate(series):
             idx = np.searchsorted(np.asarray(s.t), alls, side="right") - 1
             valid = idx >= 0
             idx = np.clip(idx, 0, None)
             for j, c in enumerate(s.cols):
-                cols[j] += np.where(valid, np.asarray(c)[idx], 0)
+                per[i, j] = np.where(valid, np.asarray(c)[idx], 0)
+        cols = per.sum(axis=0)
         peak = max(int(cols[0].max()), exact)
         if alls.size > 4000:
             sel = np.linspace(0, alls.size - 1, 4000).astype(int)
-            alls, cols = alls[sel], cols[:, sel]
+            alls, cols, per = alls[sel], cols[:, sel], per[:, :, sel]
         cap = self.kv_capacity_total
         return ({"t": alls.tolist(), "kv_used": cols[0].tolist(), "kv_cached": cols[1].tolist(),
-                 "kv_capacity": [cap] * alls.size, "running": cols[2].tolist(), "waiting": cols[3].tolist()},
+                 "kv_capacity": [cap] * alls.size, "running": cols[2].tolist(), "waiting": cols[3].tolist(),
+                 # each replica's own: what plots.py's replicas.png draws
+                 "replica_ids": [i for i, r in enumerate(reps) if r.ts is not None and r.ts.t],
+                 "replica_kv_used": per[:, 0].tolist(), "replica_kv_cached": per[:, 1].tolist(),
+                 "replica_kv_capacity": [r.kv_capacity for r in reps if r.ts is not None and r.ts.t],
+                 "replica_running": per[:, 2].tolist(), "replica_waiting": per[:, 3].tolist(),
+                 **self._hit_series()},
                 peak)
+
+    def _hit_series(self) -> dict:
+        """Prefix tokens asked and hit per arrival-time bin, with both bounds' hits (when the
+        bounds ran): {"prefix_edges": [bins + 1], "prefix_query", "prefix_hit", ...}."""
+        h = self._hits
+        q = h.get("prefix_query")
+        if not q.any():
+            return {}
+        last = int(np.nonzero(q)[0][-1]) + 1
+        out = {"prefix_edges": h.edges()[:last + 1].tolist()}
+        for k in ("prefix_query", "prefix_hit", "prefix_hit_infinite", "prefix_hit_lru_cluster"):
+            out[k] = h.get(k)[:last].tolist()
+        return out
 
 
 def model_context(name: str) -> Optional[int]:
