@@ -4,9 +4,12 @@ requests share a batch."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from shepherd.model.grammar import GrammarMasks, TokenMask
 
 # A request's logit_bias as index and value tensors, built once and reused every step (a bias
 # over the whole vocabulary took ~10 ms a step to rebuild from its dict). Keyed by the dict's
@@ -36,8 +39,10 @@ def constrained(reqs: Sequence) -> bool:
     return any(r.params.logit_bias or r.params.min_tokens or r.params.grammar is not None for r in reqs)
 
 
-def apply_constraints(logits: torch.Tensor, reqs: Sequence, grammar: Optional[object]) -> torch.Tensor:
-    """logits [S, V], one row per request; returns a constrained copy."""
+def apply_constraints(logits: torch.Tensor, reqs: Sequence, grammar: Optional["GrammarMasks"],
+                      mask: Optional["TokenMask"] = None) -> torch.Tensor:
+    """logits [S, V], one row per request; returns a constrained copy. The grammar rows take
+    `mask` (a TokenMask of these reqs, filled while the forward ran) or grammar.fill's."""
     logits = logits.clone()
     V = logits.shape[-1]
     for i, r in enumerate(reqs):
@@ -50,6 +55,8 @@ def apply_constraints(logits: torch.Tensor, reqs: Sequence, grammar: Optional[ob
             ids = [t for t in r.stop_ids if 0 <= t < V]
             if ids:
                 logits[i, ids] = float("-inf")
-    if grammar is not None:
-        grammar.apply(logits, reqs)
+    if mask is None and grammar is not None:
+        mask = grammar.fill(reqs, V)
+    if mask is not None:
+        mask.apply(logits)
     return logits

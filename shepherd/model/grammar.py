@@ -29,7 +29,11 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("shepherd.grammar")
 
@@ -259,16 +263,18 @@ class GrammarMasks:
         self._fed[rid] = len(out)
         return m
 
-    def apply(self, logits, reqs: Sequence) -> None:
-        """logits: a torch tensor [S, V], one row per request."""
-        import torch
+    def fill(self, reqs: Sequence, vocab_size: int) -> Optional["TokenMask"]:
+        """This step's masks of the constrained rows of `reqs` (one row per request), or None
+        where no row restricts anything. A row whose grammar allows every token is left out
+        (xgrammar says so when it fills it: `need_apply`); a finished grammar allows only the
+        request's stop tokens. Reads only the requests' tokens, not the logits."""
         rows = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
         if not rows:
-            return
-        S, V = logits.shape
+            return None
+        V = vocab_size
         xgr = self._compiler_for(V).xgr
-        bitmask = xgr.allocate_token_bitmask(S, V)
-        live, done = [], []
+        bitmask = xgr.allocate_token_bitmask(len(reqs), V)
+        restrict = []
         for i in rows:
             try:
                 m = self._sync(reqs[i])
@@ -278,21 +284,43 @@ class GrammarMasks:
                 log.exception("grammar of %s failed on the executor", reqs[i].req_id)
                 self.failed[reqs[i].req_id] = f"structured output failed on the engine: {e}"
                 continue
-            if m.is_terminated():
-                done.append(i)          # complete: only a stop token may follow
-            else:
-                m.fill_next_token_bitmask(bitmask, i)
-                live.append(i)
-        if live:
-            bitmask = bitmask.to(logits.device)
-            if logits.dtype == torch.float32 and logits.is_contiguous():
-                xgr.apply_token_bitmask_inplace(logits, bitmask, indices=live)
-            else:
-                sub = logits.float()
-                xgr.apply_token_bitmask_inplace(sub, bitmask, indices=live)
-                logits.copy_(sub.to(logits.dtype))
-        for i in done:
-            eos = [t for t in reqs[i].eos_token_ids if t < V]
-            keep = logits[i, eos].clone()
-            logits[i] = float("-inf")
-            logits[i, eos] = keep
+            if m.is_terminated():       # complete: only a stop token may follow
+                bitmask[i] = 0
+                for t in reqs[i].eos_token_ids:
+                    if 0 <= t < V:
+                        w, b = divmod(t, 32)
+                        bitmask[i, w] |= (1 << b) if b < 31 else -(1 << 31)
+                restrict.append(i)
+            elif m.fill_next_token_bitmask(bitmask, i):
+                restrict.append(i)
+        return TokenMask(bitmask, restrict) if restrict else None
+
+    def apply(self, logits, reqs: Sequence) -> None:
+        """logits: a torch tensor [S, V], one row per request; masked in place."""
+        mask = self.fill(reqs, logits.shape[-1])
+        if mask is not None:
+            mask.apply(logits)
+
+
+@dataclass
+class TokenMask:
+    """One step's grammar masks: bitmask row i (int32 words, xgrammar's layout: bit b of word w
+    set = token 32 w + b allowed) belongs to request i of the step; only the rows listed restrict
+    (the others carry no grammar, or allow every token this step)."""
+    bitmask: "torch.Tensor"     # int32 [S, ceil(V / 32)], on the CPU (where xgrammar fills it)
+    rows: list[int]
+
+    def apply(self, logits) -> None:
+        """Masked tokens of the listed rows -> -inf, in place (kernels.bitmask_apply_rows)."""
+        # imported here: the server's grammar checker imports this module and never needs torch
+        from shepherd.model.kernels import apply_bitmask
+        apply_bitmask(logits, self.bitmask, self.rows)
+
+    def argmax(self, logits) -> list[int]:
+        """The greedy token of every row of logits [S, V] as if masked first, without writing
+        them (kernels.argmax_masked_rows: the bitmask is applied inside the argmax)."""
+        from shepherd.model.kernels import argmax_masked_rows
+        mrow = [-1] * logits.shape[0]
+        for i in self.rows:
+            mrow[i] = i
+        return argmax_masked_rows(logits, self.bitmask, mrow).tolist()

@@ -70,6 +70,10 @@ KERNELS: tuple[Kernel, ...] = (
            "int64_t rows, int64_t N)", nullable=("bias",), per_dtype=True),
     Kernel("lora", f"void({_LORA})", per_dtype=True),
     Kernel("argmax_rows", "void(const float *x, int64_t rows, int64_t V, int64_t *out)"),
+    Kernel("argmax_masked_rows", "void(const float *x, int64_t rows, int64_t V, const int32_t *mask, int64_t W, "
+           "const int64_t *mrow, int64_t *out)"),
+    Kernel("bitmask_apply_rows", "void(float *x, int64_t ld, int64_t V, const int32_t *mask, int64_t W, "
+           "const int64_t *rows, int64_t n)"),
     Kernel("has_w4a8", "int(void)"),
     Kernel("quant_groups_bf16", "void(const uint16_t *x, int8_t *q, float *dx, float *sx, int64_t rows, "
            "int64_t K)", guard="has_w4a8"),

@@ -354,44 +354,88 @@ KERNEL(void, attention_f32, const float *q, int64_t q_stride, const float *pool,
     attention_ref_f32(q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale);
 }
 
-/* index of the largest value of each row (the first one on ties, as torch.argmax); a NaN
- * row falls back to the scalar rule NaN > everything, first NaN wins */
+/* Token bitmasks (structured outputs, model/grammar.py): int32 words, bit b of word w set = token
+ * 32 w + b allowed (xgrammar's layout), W = ceil(V / 32) words a row. A clear bit reads as -inf. */
+static inline uint32_t mask16(const int32_t *m, int64_t i) {   /* the bits of tokens i..i+15, i % 16 == 0 */
+    return ((uint32_t)m[i >> 5] >> (i & 16)) & 0xFFFFu;
+}
+
+/* index of the largest value of one row (the first one on ties, as torch.argmax); a NaN row falls
+ * back to the scalar rule NaN > everything, first NaN wins. With a bitmask row m, the row read is
+ * the masked one (a disallowed token reads -inf): the same index as masking the row, then this. */
+static int64_t argmax_row(const float *xr, int64_t V, const int32_t *m) {
+    int64_t best = 0, i = 0;
+    float bv = (m && !(m[0] & 1)) ? -INFINITY : xr[0];
+#ifdef __AVX512F__
+    if (V >= 16) {
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        __m512 mv = _mm512_loadu_ps(xr);
+        if (m) mv = _mm512_mask_mov_ps(ninf, (__mmask16)mask16(m, 0), mv);
+        __m512i mi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), cur = mi;
+        __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
+        for (i = 16; i + 16 <= V && i < (1LL << 31) - 16; i += 16) {
+            cur = _mm512_add_epi32(cur, _mm512_set1_epi32(16));
+            __m512 v = _mm512_loadu_ps(xr + i);
+            if (m) v = _mm512_mask_mov_ps(ninf, (__mmask16)mask16(m, i), v);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);   /* strictly greater: earlier index kept */
+            mv = _mm512_mask_blend_ps(gt, mv, v);
+            mi = _mm512_mask_blend_epi32(gt, mi, cur);
+        }
+        if (!nan) {
+            float lane_v[16]; int32_t lane_i[16];
+            _mm512_storeu_ps(lane_v, mv); _mm512_storeu_si512(lane_i, mi);
+            bv = lane_v[0]; best = lane_i[0];
+            for (int l = 1; l < 16; l++)
+                if (lane_v[l] > bv || (lane_v[l] == bv && lane_i[l] < best)) { bv = lane_v[l]; best = lane_i[l]; }
+        } else {
+            i = 0; best = 0; bv = (m && !(m[0] & 1)) ? -INFINITY : xr[0];
+        }
+    }
+#endif
+    for (; i < V; i++) {
+        float v = (m && !((m[i >> 5] >> (i & 31)) & 1)) ? -INFINITY : xr[i];
+        if (v != v) { if (bv == bv) { bv = v; best = i; } }
+        else if (bv == bv && v > bv) { bv = v; best = i; }
+    }
+    return best;
+}
+
 KERNEL(void, argmax_rows, const float *x, int64_t rows, int64_t V, int64_t *out) {
     #pragma omp parallel for schedule(static) if(rows >= 8)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * V;
-        int64_t best = 0, i = 0;
-        float bv = xr[0];
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = argmax_row(x + r * V, V, NULL);
+}
+
+/* argmax_rows with a grammar's bitmask applied in the kernel: row r reads bitmask row mrow[r]
+ * (none where mrow[r] < 0). The logits are not written: no masked copy to make. */
+KERNEL(void, argmax_masked_rows, const float *x, int64_t rows, int64_t V, const int32_t *mask, int64_t W,
+                                 const int64_t *mrow, int64_t *out) {
+    #pragma omp parallel for schedule(static) if(rows >= 8)
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = argmax_row(x + r * V, V, mrow[r] < 0 ? NULL : mask + mrow[r] * W);
+}
+
+/* logits[rows[k], t] = -inf for every token t whose bit is clear in bitmask row rows[k], in
+ * place; a word of all-allowed bits costs one compare (most of a JSON string's vocabulary). */
+KERNEL(void, bitmask_apply_rows, float *x, int64_t ld, int64_t V, const int32_t *mask, int64_t W,
+                                 const int64_t *rows, int64_t n) {
+    #pragma omp parallel for schedule(static) if(n >= 8)
+    for (int64_t k = 0; k < n; k++) {
+        float *xr = x + rows[k] * ld;
+        const int32_t *m = mask + rows[k] * W;
+        int64_t i = 0;
 #ifdef __AVX512F__
-        if (V >= 16) {
-            __m512 mv = _mm512_loadu_ps(xr);
-            __m512i mi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), cur = mi;
-            __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
-            for (i = 16; i + 16 <= V && i < (1LL << 31) - 16; i += 16) {
-                cur = _mm512_add_epi32(cur, _mm512_set1_epi32(16));
-                __m512 v = _mm512_loadu_ps(xr + i);
-                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-                __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);   /* strictly greater: earlier index kept */
-                mv = _mm512_mask_blend_ps(gt, mv, v);
-                mi = _mm512_mask_blend_epi32(gt, mi, cur);
-            }
-            if (!nan) {
-                float lane_v[16]; int32_t lane_i[16];
-                _mm512_storeu_ps(lane_v, mv); _mm512_storeu_si512(lane_i, mi);
-                bv = lane_v[0]; best = lane_i[0];
-                for (int l = 1; l < 16; l++)
-                    if (lane_v[l] > bv || (lane_v[l] == bv && lane_i[l] < best)) { bv = lane_v[l]; best = lane_i[l]; }
-            } else {
-                i = 0; best = 0; bv = xr[0];
-            }
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        for (; i + 32 <= V; i += 32) {
+            uint32_t w = (uint32_t)m[i >> 5];
+            if (w == 0xFFFFFFFFu) continue;
+            _mm512_mask_storeu_ps(xr + i, (__mmask16)~w, ninf);
+            _mm512_mask_storeu_ps(xr + i + 16, (__mmask16)~(w >> 16), ninf);
         }
 #endif
-        for (; i < V; i++) {
-            float v = xr[i];
-            if (v != v) { if (bv == bv) { bv = v; best = i; } }
-            else if (bv == bv && v > bv) { bv = v; best = i; }
-        }
-        out[r] = best;
+        for (; i < V; i++)
+            if (!((m[i >> 5] >> (i & 31)) & 1)) xr[i] = -INFINITY;
     }
 }
 

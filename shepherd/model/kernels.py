@@ -114,6 +114,54 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def unpack_bitmask(bitmask: torch.Tensor, V: int) -> torch.Tensor:
+    """int32 token bitmask [S, W] (bit b of word w: token 32 w + b allowed) -> bool [S, V]."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :V].bool()
+
+
+def _check_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> None:
+    W = (x.shape[-1] + 31) // 32
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[1] != W or not bitmask.is_contiguous():
+        raise ValueError(f"bitmask must be a contiguous int32 [rows, {W}] tensor for {x.shape[-1]} tokens, "
+                         f"got {bitmask.dtype} {tuple(bitmask.shape)}")
+
+
+def argmax_masked_rows(x: torch.Tensor, bitmask: torch.Tensor, mrow: list[int]) -> torch.Tensor:
+    """argmax_rows(x) with row r read through bitmask row mrow[r] (a clear bit reads -inf; no mask
+    where mrow[r] < 0): the index argmax_rows gives after masking, without writing x."""
+    _check_bitmask(x, bitmask)
+    lib = load()
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+        x = x.clone()
+        rows = [r for r, m in enumerate(mrow) if m >= 0]
+        if rows:
+            keep = unpack_bitmask(bitmask[[mrow[r] for r in rows]].to(x.device), x.shape[1])
+            x[rows] = x[rows].masked_fill(~keep, float("-inf"))
+        return argmax_rows(x)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    rows_t = torch.tensor(mrow, dtype=torch.long)
+    lib.argmax_masked_rows(x=x, rows=x.shape[0], V=x.shape[1], mask=bitmask, W=bitmask.shape[1], mrow=rows_t,
+                           out=out)
+    return out
+
+
+def apply_bitmask(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """x[r, t] = -inf, in place, for each r in rows and each token t clear in bitmask row r."""
+    _check_bitmask(x, bitmask)
+    if not rows:
+        return
+    lib = load()
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or x.stride(1) != 1):
+        keep = unpack_bitmask(bitmask[rows].to(x.device), x.shape[1])
+        x[rows] = x[rows].masked_fill(~keep, float("-inf"))
+        return
+    lib.bitmask_apply_rows(x=x, ld=x.stride(0), V=x.shape[1], mask=bitmask, W=bitmask.shape[1],
+                           rows=torch.tensor(rows, dtype=torch.long), n=len(rows))
+
+
 _form: Optional[str] = None
 BF16_FORMS = ("fma", "dpbf16")
 

@@ -13,6 +13,13 @@ The sampler keeps its own record of each request (SamplingState: parameters,
 prompt, the tokens so far), built from the step contract's NewRequest and
 the tokens each step feeds; it never reads the scheduler's Request.
 
+Grammar rows (model/grammar.py) take a bitmask per row. When the only constraints
+in the batch are grammars and every row is greedy without logprobs, the bitmask is
+applied inside the argmax kernel (kernels.argmax_masked_rows): the logits are neither
+copied nor written, and the token is the one masking then argmax would give. Otherwise
+a C kernel writes -inf into a constrained copy (apply_constraints), which logprobs and
+the random rows read.
+
 `verify` takes a request's logits after its last token and after each of its
 drafts (speculative decoding) and keeps the drafts its distribution allows
 (model/rejection.py); each row sees the penalties and min_tokens of the tokens
@@ -25,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from shepherd.model.constraints import apply_constraints, constrained
+from shepherd.model.grammar import TokenMask
 from shepherd.model.kernels import argmax_rows
 from shepherd.model.rejection import greedy_accept, rejection_accept
 from shepherd.request import SamplingParams, TokenLogprob, stop_ids
@@ -129,18 +137,26 @@ class Sampler:
             self.generators[req.req_id] = g
         return g
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[SamplingState]
+    def sample(self, logits: torch.Tensor, reqs: Sequence[SamplingState], mask: Optional[TokenMask] = None,
                ) -> tuple[list[int], list[Optional[TokenLogprob]]]:
         """logits: [S, V] float32, one row per request in `reqs`. Returns the sampled
-        token per row and, for requests with params.logprobs set, a TokenLogprob."""
+        token per row and, for requests with params.logprobs set, a TokenLogprob. `mask`: the
+        grammar masks of these reqs if they were filled already (GrammarMasks.fill); else they
+        are filled here."""
         S = logits.shape[0]
-        if constrained(reqs):   # logit_bias, min_tokens, grammar masks; logprobs see them too
-            logits = apply_constraints(logits, reqs, self.grammar)
         params = [r.params for r in reqs]
         simple = all(p.temperature == 0.0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
                      and p.presence_penalty == 0.0 for p in params)
+        fused = None
+        if constrained(reqs):   # logit_bias, min_tokens, grammar masks; logprobs see them too
+            if mask is None and self.grammar is not None:
+                mask = self.grammar.fill(reqs, logits.shape[-1])
+            if simple and not any(p.logit_bias or p.min_tokens or p.logprobs is not None for p in params):
+                fused = mask        # only grammars, greedy: the bitmask goes into the argmax, no masked copy
+            else:
+                logits = apply_constraints(logits, reqs, None, mask)
         if simple:
-            tokens = argmax_rows(logits).tolist()
+            tokens = argmax_rows(logits).tolist() if fused is None else fused.argmax(logits)
         else:
             logits = logits.cpu()   # the per-request generators and penalties live on the host
             tokens = [0] * S
