@@ -116,6 +116,30 @@ def test_replicas_publish_what_they_cache_and_what_they_evict(two_replicas):
         sub.close()
 
 
+def test_reset_prefix_cache_over_http_empties_the_cache_and_the_gateway_index(two_replicas):
+    a, b = two_replicas
+    index = KVBlockIndex()
+    sub = KVEventSubscriber(index, [a.source, b.source], replay_timeout=5.0)
+    sub.start()
+    try:
+        p = list(range(1000, 1100))                 # 100 tokens: 6 full blocks
+        a.serve(p)
+        b.serve(p)
+        wait_until(lambda: index.match(chain_hashes(p), [a.url, b.url]) == {a.url: 6, b.url: 6}, what="6 blocks each")
+        assert httpx.post(a.url + "/reset_prefix_cache", params={"reset_running_requests": True}).status_code == 400
+        r = httpx.post(a.url + "/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200, r.text
+        wait_until(lambda: index.blocks(a.url) == 0, what="A's blocks dropped")
+        assert index.match(chain_hashes(p), [a.url, b.url]) == {b.url: 6}      # B untouched
+        assert sub.status()[a.url]["state"] == "complete" and sub.status()[a.url]["drops"] == 0
+        # the replica's own cache is empty too: the same prompt is computed again, then cached again
+        assert a.serve(p)["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
+        assert b.serve(p)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+        wait_until(lambda: index.match(chain_hashes(p), [a.url]) == {a.url: 6}, what="A's blocks again")
+    finally:
+        sub.close()
+
+
 def _dynamo():
     try:
         from dynamo._core import SelectionService

@@ -257,3 +257,42 @@ def test_parse_source():
     for bad in ("http://x", "http://x=http://y", "http://x=tcp://y:1,foo=1"):
         with pytest.raises(ValueError):
             parse_source(bad)
+
+
+def test_reset_clears_the_index_but_for_the_blocks_a_running_request_uses():
+    """vLLM's reset_prefix_cache: AllBlocksCleared, then the blocks still in use announced again;
+    the subscriber's index equals the cache after the reset and after the request ends."""
+    from shepherd.engine.core import EngineCore, VirtualClock
+    sched = Scheduler(SchedulerConfig(max_total_tokens=1024, max_num_tokens=256, max_batch_size=4))
+    pub = KVEventPublisher(_cfg(), sched.kv.record_cache_events())
+    index = KVBlockIndex()
+    sub = KVEventSubscriber(index, [Source("A", loopback(pub.endpoint), loopback(pub.replay_endpoint))],
+                            replay_timeout=5.0)
+    sub.start()
+    try:
+        _serve(sched, pub, _prompts(4, 100, shared=40))
+        wait_until(lambda: index.blocks("A") == len(cached_hashes(sched.kv.tree)) > 0, what="index == cache")
+        long = _prompts(1, 90, seed=7)[0]
+        core = EngineCore(sched, SimExecutor(kv_capacity=sched.capacity), VirtualClock())
+        sched.add(Request("long", long, SamplingParams(max_tokens=40, ignore_eos=True), arrival=0.0,
+                          eos_token_ids=(2,)), 0.0)
+        now = 0.0
+        for _ in range(3):                    # its prompt is computed and cached (locked); it still runs
+            now = core.step(now).end
+        assert sched.has_work
+        freed, kept = sched.kv.reset_prefix_cache()
+        pub.submit(1.0)
+        truth = cached_hashes(sched.kv.tree)
+        assert freed > 0 and kept >= 80 and truth == set(chain_hashes(long[:kept]))
+        wait_until(lambda: _index_holds_exactly(index, "A", truth), what="the index after the reset")
+        assert index.match(chain_hashes(_prompts(4, 100, shared=40)[0]), ["A"]) == {}
+        while sched.has_work:                 # it ends: prompt + output cached and announced
+            now = core.step(now).end
+        pub.submit(1.0)
+        truth = cached_hashes(sched.kv.tree)
+        assert len(truth) > len(set(chain_hashes(long)))
+        wait_until(lambda: _index_holds_exactly(index, "A", truth), what="the index after the request ended")
+        assert sub.status()["A"]["drops"] == 0
+    finally:
+        sub.close()
+        pub.close()

@@ -113,3 +113,30 @@ def test_insert_under_a_locked_node_is_an_insert_from_the_root():
             order.append(sorted(set(before) - set(_shape(t)[0])))
         trees.append((shape, order))
     assert trees[0] == trees[1]
+
+
+def test_reset_frees_every_unlocked_node_and_keeps_the_locked_path():
+    from shepherd.scheduler.cache_events import CacheCleared, CacheEventLog, NodeAdded
+    pool = KVPool(64)
+    t = RadixCache(pool, CacheEventLog())
+    _ins(t, pool, [1, 2, 3, 4, 5, 6])
+    _ins(t, pool, [1, 2, 3, 9, 9])             # splits [1,2,3] off: a running request will hold this path
+    _ins(t, pool, [7, 7, 7])
+    _ins(t, pool, [1, 2, 3, 9, 9, 8, 8])       # a child under the locked node: unlocked, must go
+    kept, node = t.match_prefix([1, 2, 3, 9, 9])
+    t.inc_lock_ref(node)
+    t.events.drain()
+    assert t.reset() == (3 + 3 + 2, 5)         # [4,5,6], [7,7,7], [8,8] freed; [1,2,3] + [9,9] kept
+    assert t.evictable_size == 0 and t.protected_size == 5
+    assert t.match_prefix([1, 2, 3, 9, 9, 8, 8])[0] == kept     # the running request's slots are intact
+    assert t.match_len([1, 2, 3, 4]) == 3 and t.match_len([7, 7, 7]) == 0
+    assert pool.free_pages == 64 - 5
+    recs = t.events.drain()
+    cleared = [i for i, r in enumerate(recs) if isinstance(r, CacheCleared)]
+    assert len(cleared) == 1
+    again = recs[cleared[0] + 1:]              # the kept nodes, parents first
+    assert [r.tokens for r in again] == [[1, 2, 3], [9, 9]] and all(isinstance(r, NodeAdded) for r in again)
+    assert again[0].parent == 0 and again[1].parent == again[0].node
+    t.dec_lock_ref(node)                       # the request ends: its path is an ordinary cached prefix
+    assert t.evictable_size == 5 and t.evict(100) == 5 and pool.free_pages == 64
+    t.check()

@@ -41,6 +41,10 @@ ADD, ABORT, FINISH, SHUTDOWN = "add", "abort", "finish", "shutdown"
 # is answered in CoreStep.answers as (op_id, None) or (op_id, (kind, message, 0.0)) with kind
 # "lora_bad" (400), "lora_unknown" (404), "lora_busy" (409) or "lora_off" (400)
 LORA_LOAD, LORA_UNLOAD = "lora_load", "lora_unload"
+# vLLM's reset_prefix_cache: (RESET_PREFIX_CACHE, op_id), answered (op_id, None) once the cache is
+# empty but for the blocks running requests use (RadixCache.reset); the KV events of the reset
+# (AllBlocksCleared, then the kept blocks) go out with this iteration's batch
+RESET_PREFIX_CACHE = "reset_prefix_cache"
 
 
 class CoreOutput(NamedTuple):
@@ -105,7 +109,7 @@ class ServedCore:
 
     # ---------------------------------------------------------------- intake
     def intake(self, items: list, now: float) -> tuple[list, list[tuple]]:
-        """Adds, aborts and finishes -> (answers to the adds, abort terminals)."""
+        """Adds, aborts, finishes and control ops -> (answers to the adds and ops, abort terminals)."""
         answers: list = []
         outs: list[tuple] = []
         for kind, arg in items:
@@ -135,6 +139,11 @@ class ServedCore:
                 self._reqs.pop(arg, None)
             elif kind in (LORA_LOAD, LORA_UNLOAD):
                 answers.append((arg[0], self._lora_op(kind, *arg[1:])))
+            elif kind == RESET_PREFIX_CACHE:
+                freed, kept = self.scheduler.kv.reset_prefix_cache()
+                logger.info("prefix cache reset: %d tokens freed, %d kept (in use by running requests)",
+                            freed, kept)
+                answers.append((arg, None))
         if self._parked:
             self._unpark(now, answers)
         return answers, outs

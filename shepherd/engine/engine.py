@@ -39,8 +39,8 @@ from typing import Any, Callable, Optional
 
 from shepherd.config import EngineConfig
 from shepherd.engine.build import build_served_core
-from shepherd.engine.core_loop import (ABORT, ADD, FINISH, LORA_LOAD, LORA_UNLOAD, SHUTDOWN, WATCHDOG_EXIT_CODE,
-                                       CoreInfo, CoreStep, run_loop, start_watchdog, watchdog_exit)
+from shepherd.engine.core_loop import (ABORT, ADD, FINISH, LORA_LOAD, LORA_UNLOAD, RESET_PREFIX_CACHE, SHUTDOWN,
+                                       WATCHDOG_EXIT_CODE, CoreInfo, CoreStep, run_loop, start_watchdog, watchdog_exit)
 from shepherd.engine.metrics import EngineMetrics
 from shepherd.engine.output import EngineOutput, OutputProcessor, RequestStream, answer_admission
 from shepherd.kv_events.hashing import BLOCK_SIZE
@@ -105,6 +105,7 @@ class EngineFront:
         self.lora_enabled = info.lora_enabled
         self.lora_adapters: dict[str, str] = dict(info.lora_adapters)
         self._lora_ops: dict[str, tuple[asyncio.Future, str, Optional[str]]] = {}
+        self._resets: dict[str, asyncio.Future] = {}     # reset_prefix_cache ops sent, not answered yet
 
     # subclasses
     def _send(self, items: list) -> None:
@@ -172,6 +173,18 @@ class EngineFront:
         self._send([(kind, (op, name) if path is None else (op, name, path))])
         await fut
 
+    async def reset_prefix_cache(self) -> None:
+        """vLLM's reset_prefix_cache: returns once the core has emptied its prefix cache but for
+        the blocks running requests use (they stay valid and cached: RadixCache.reset), and
+        the reset's KV events (AllBlocksCleared first) are on their way to the publisher."""
+        if self._dead is not None or not self._running:
+            raise EngineDeadError(self._dead or "engine is not running")
+        op = self.new_request_id("reset")
+        fut = asyncio.get_running_loop().create_future()
+        self._resets[op] = fut
+        self._send([(RESET_PREFIX_CACHE, op)])
+        await fut
+
     def _lora_answer(self, op: str, err) -> None:
         fut, name, path = self._lora_ops.pop(op)
         if err is not None:
@@ -193,6 +206,11 @@ class EngineFront:
         for rid, err in step.answers:
             if rid in self._lora_ops:
                 self._lora_answer(rid, err)
+                continue
+            fut = self._resets.pop(rid, None)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(None)
                 continue
             pending = self._admitting.pop(rid, None)
             if pending is None:
@@ -224,6 +242,10 @@ class EngineFront:
             if not fut.done():
                 fut.set_exception(EngineDeadError(message))
         self._lora_ops.clear()
+        for fut in self._resets.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(message))
+        self._resets.clear()
         self.outputs.fail_all(message, time.monotonic(), reason=reason)
 
 

@@ -13,7 +13,9 @@ it is cached exactly while that node is (a node's ancestors always are).
   the two halves by where they end;
 - node evicted (always a leaf): BlockRemoved for its blocks. A leaf that holds
   the end of a block whose start lies in its parent (a "partial node") removes
-  that block too: the block is no longer whole in the cache.
+  that block too: the block is no longer whole in the cache;
+- cache cleared (a reset): AllBlocksCleared; the nodes the reset kept (in use by
+  running requests) come next as nodes added, and are announced again.
 
 A node whose parent the tracker does not know (records lost after `forget`)
 is left out, with everything under it: it is never announced, so it can never
@@ -26,7 +28,7 @@ from typing import Callable, Optional
 
 from shepherd.kv_events.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from shepherd.kv_events.hashing import BLOCK_SIZE, block_hash
-from shepherd.scheduler.cache_events import NodeAdded, NodeEvicted, NodeSplit
+from shepherd.scheduler.cache_events import CacheCleared, NodeAdded, NodeEvicted, NodeSplit
 
 
 class _Node:
@@ -63,6 +65,8 @@ class BlockTracker:
                 ev = self._split(rec)
             elif isinstance(rec, NodeEvicted):
                 ev = self._evicted(rec)
+            elif isinstance(rec, CacheCleared):
+                ev = self.clear()
             else:
                 raise TypeError(f"unknown cache record {rec!r}")
             if ev is not None:

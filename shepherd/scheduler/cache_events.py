@@ -2,7 +2,7 @@
 
 When a CacheEventLog is attached (`Scheduler.record_cache_events()`), the
 radix cache appends one record per change to what it holds: a node added, a
-node cut in two, a node evicted. Nothing else happens on the scheduler's side:
+node cut in two, a node evicted, the whole cache reset. Nothing else happens on the scheduler's side:
 no hashing, no encoding, no I/O. The engine core drains the log once per step
 and hands the records to the KV-event publisher (shepherd/kv_events), which
 turns them into vLLM's BlockStored / BlockRemoved events on its own thread.
@@ -33,6 +33,12 @@ class NodeEvicted:
     node: int                # a leaf; its tokens are no longer cached
 
 
+@dataclass(slots=True)
+class CacheCleared:
+    """The cache was reset (RadixCache.reset): forget every node; the nodes that stayed (in use by
+    running requests) follow as NodeAdded records, parents first."""
+
+
 class CacheEventLog:
     """Records in the order they happened, until drained."""
 
@@ -44,4 +50,4 @@ class CacheEventLog:
         return out
 
 
-__all__ = ["CacheEventLog", "NodeAdded", "NodeEvicted", "NodeSplit"]
+__all__ = ["CacheCleared", "CacheEventLog", "NodeAdded", "NodeEvicted", "NodeSplit"]

@@ -43,6 +43,11 @@ class KVManager:
             self.tree.events = CacheEventLog()
         return self.tree.events
 
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Empty the prefix cache but for what running requests use (RadixCache.reset):
+        (tokens freed, tokens kept); (0, 0) when the cache is off."""
+        return self.tree.reset() if self.tree is not None else (0, 0)
+
     # ------------------------------------------------------------------ sizes
     def available_pages(self) -> int:
         """Free pages plus what the prefix cache could give back."""

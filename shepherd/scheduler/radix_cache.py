@@ -8,7 +8,8 @@ SGLang's RadixAttention, reduced to what the scheduler needs:
 - `lock_ref` counts the running requests that use a node (locking a node locks
   its ancestors); locked tokens are "protected", unlocked ones "evictable";
 - `evict(n)` frees least-recently-used unlocked leaves, moving up to parents
-  that become leaves, until n tokens are freed;
+  that become leaves, until n tokens are freed; `reset()` frees every unlocked
+  node (vLLM's reset_prefix_cache);
 - `last_access` is a logical counter (no clock), so eviction is deterministic;
 - with an event log attached (`events`), every node added, split or evicted is
   appended to it as a plain record (scheduler/cache_events.py): what the KV-event
@@ -24,7 +25,7 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Optional
 
-from shepherd.scheduler.cache_events import CacheEventLog, NodeAdded, NodeEvicted, NodeSplit
+from shepherd.scheduler.cache_events import CacheCleared, CacheEventLog, NodeAdded, NodeEvicted, NodeSplit
 from shepherd.scheduler.kv_pool import KVPool
 
 
@@ -355,6 +356,27 @@ class RadixCache:
                 self._push(parent)
         self.evicted_total += freed
         return freed
+
+    def reset(self) -> tuple[int, int]:
+        """vLLM's reset_prefix_cache: evict every unlocked node; returns (tokens freed, tokens
+        kept). Nodes locked by running requests stay, with their slots: those requests' KV is
+        never freed under them, and they become evictable as those requests end, as any node
+        does. With an event log, a CacheCleared record follows the evictions and the kept
+        nodes are recorded again as added (parents first), so a consumer that clears on it
+        ends up holding exactly what the cache holds."""
+        # the heap may hold stale entries and miss none, but a reset must not depend on it
+        self._heap[:] = [(nd.last_access, nd.id, nd) for nd in self._leaves()]
+        heapq.heapify(self._heap)
+        freed = self.evict(self.evictable_size)
+        if self.events is not None:
+            rec = self.events.records
+            rec.append(CacheCleared())
+            stack = list(self.root.children.values())
+            while stack:
+                nd = stack.pop()
+                rec.append(NodeAdded(nd.id, 0 if nd.parent is self.root else nd.parent.id, nd.key))
+                stack.extend(nd.children.values())
+        return freed, self.protected_size
 
     # ---- introspection ---------------------------------------------------------
     def all_pages(self) -> list[int]:

@@ -5,7 +5,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (stream and not),
 POST /tokenize, POST /detokenize, GET /version, GET /v1/models, GET /health,
 GET /metrics, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (vLLM's:
-a request names a LoRA adapter by `model`; docs/SERVING.md "LoRA adapters"). Request bodies are the pydantic models of protocol.py, so
+a request names a LoRA adapter by `model`; docs/SERVING.md "LoRA adapters"), POST
+/reset_prefix_cache (vLLM's: docs/ROUTING.md "Fleets"). Request bodies are the pydantic models of protocol.py, so
 /openapi.json documents them and FastAPI validates them.
 
 Errors always carry an OpenAI-style body
@@ -347,6 +348,21 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
         await _lora_call(engine.unload_lora(body.lora_name), "lora_name")
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = False):
+        # vLLM's route (its dev mode; here behind --api-key like every other route). Blocks in use
+        # by running requests stay valid and cached (RadixCache.reset); vLLM's
+        # reset_running_requests=true would preempt those requests instead, which shepherd does not.
+        if reset_running_requests:
+            raise APIError(400, "reset_running_requests=true is not supported: blocks in use by running "
+                                "requests stay cached and valid, everything else is cleared",
+                           param="reset_running_requests")
+        try:
+            await engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise APIError(503, f"Engine unavailable: {e}", "server_error", code="engine_dead") from None
+        return Response(status_code=200)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request, body: CompletionRequest):
