@@ -1,6 +1,6 @@
 """The grammar's fast path gives the plain path's tokens: the bitmask applied inside the argmax
-kernel (no masked copy of the logits), the C kernel that writes the mask and rows whose grammar
-allows every token skipped. The plain path is
+kernel (no masked copy of the logits), the C kernel that writes the mask, rows whose grammar
+allows every token skipped, and the masks filled while the forward runs. The plain path is
 xgrammar's own: its matcher fills a row, its apply_token_bitmask_inplace writes -inf, torch's
 argmax picks; a finished grammar leaves only the stop tokens."""
 from __future__ import annotations
@@ -189,3 +189,46 @@ class _FakeReq:
         self.req_id, self.output_ids, self.eos_token_ids = rid, [], (4,)
         self.params = SamplingParams(temperature=0.0, grammar=grammar)
 
+
+@pytest.mark.model
+def test_masks_filled_beside_the_forward_give_the_same_tokens_on_the_real_model(default_model_path):
+    """With SHEPHERD_GRAMMAR_OVERLAP=1 the executor fills the grammar rows' masks in a thread while
+    the forward runs; with it off (the default: filled in the sampler after the forward) every
+    request's tokens are the same, and a constrained request alone gets the tokens it gets in the
+    batch."""
+    from shepherd.config import EngineConfig, SchedulerConfig
+    from shepherd.engine.offline import run_offline
+    from shepherd.engine.torch_executor import TorchExecutor
+    from shepherd.request import Request
+    from shepherd.scheduler.scheduler import Scheduler
+    ex = TorchExecutor(EngineConfig(model=default_model_path, dtype="bfloat16", max_total_tokens=4096,
+                                    batch_invariant=True))
+    ex.masks_beside_forward = True
+    tok = ex.tokenizer
+    asks = ["Describe a person.", "Give me a shopping list.", "Rate the weather today.", "Name three colours.",
+            "Tell me about a painter.", "Write a haiku."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in asks]
+    specs = [SPECS[i % len(SPECS)] for i in range(4)] + [None, None]
+    runs = [0]
+
+    def serve(which):
+        sched = Scheduler(SchedulerConfig(max_total_tokens=ex.kv_capacity, max_batch_size=8),
+                          host_kv_capacity=ex.host_kv_capacity, max_model_len=ex.max_model_len)
+        runs[0] += 1
+        reqs = [Request(f"o{runs[0]}-{i}", list(prompts[i]), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                            grammar=specs[i]),
+                        eos_token_ids=ex.eos_token_ids) for i in which]
+        run_offline(sched, ex, reqs)
+        return [r.output_ids for r in reqs]
+
+    every = list(range(len(prompts)))
+    beside = serve(every)
+    ex.masks_beside_forward = False
+    try:
+        after = serve(every)
+    finally:
+        ex.masks_beside_forward = True
+    assert beside == after
+    for i in range(4):
+        assert serve([i]) == [beside[i]]
+    assert tok.decode(beside[0]).startswith('{"name"')       # the schema's row follows its grammar

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future
 from typing import Optional
 
 import torch
@@ -234,6 +235,10 @@ class TorchExecutor:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.sampler = Sampler()
         self.sampler.grammar = GrammarMasks(self.tokenizer, vocab_size=mcfg.vocab_size)
+        # SHEPHERD_GRAMMAR_OVERLAP=1: the grammar rows' masks are filled in a thread while the forward
+        # runs (they need only the tokens fed this step). Off by default: on 2 cores the forward has
+        # every core and the masks cost ~0.4 ms a step, so it did not pay (benchmarks/grammar_overlap.py)
+        self.masks_beside_forward = os.environ.get("SHEPHERD_GRAMMAR_OVERLAP", "0").strip() == "1"
         self.drafter = make_drafter(cfg.scheduler.speculative, cfg, self)
         self.reqs: dict[str, _ReqState] = {}
         # the last step's host and device parts, in seconds (sim/host_profile.py reads them):
@@ -577,29 +582,44 @@ class TorchExecutor:
     def forward_logits(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[_ReqState]]:
         """Run the forward; returns logits (float32) for the seqs that sample: one row each, and
         one more per draft of a seq that verifies drafts."""
-        logits, want = self._forward(seqs)
+        logits, want, _ = self._forward(seqs)
         return logits[: len(want.rows)], want.sampled
 
-    def _forward(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, _LogitRows]:
+    def _forward(self, seqs: list[ScheduledSeq], fill_masks: bool = False
+                 ) -> tuple[torch.Tensor, _LogitRows, Optional[Future]]:
+        """The step's logits and rows; with fill_masks, also the grammar masks of the sampled rows
+        (a Future, or None), filled in the grammar hook's thread while the forward runs."""
         t0 = time.perf_counter()
-        inp, want = self.build_input(seqs)
+        inp, want = self.build_input(seqs)          # takes this step's tokens into the sampler's records
+        masks = self._fill_masks_beside(seqs, want) if fill_masks else None
         if self.device.type != "cpu":
             inp = _to_device(inp, self.device)
         t1 = time.perf_counter()
         logits = self.model.forward(inp, self.kv_pool)
         parts = self.last_parts
         parts["prepare"], parts["forward"] = t1 - t0, time.perf_counter() - t1
-        return logits, want
+        return logits, want, masks
+
+    def _fill_masks_beside(self, seqs: list[ScheduledSeq], want: _LogitRows) -> Optional[Future]:
+        """None where there is no grammar row, or drafts in the step (verify rows are not one per
+        request; grammar rows never draft), or the overlap is off (SHEPHERD_GRAMMAR_OVERLAP)."""
+        grammar = self.sampler.grammar
+        if (not self.masks_beside_forward or grammar is None or any(s.num_draft for s in seqs)
+                or not any(st.seq.params.grammar is not None for st in want.sampled)):
+            return None
+        return grammar.fill_async([st.seq for st in want.sampled], self.model_config.vocab_size)
 
     def _run(self, seqs: list[ScheduledSeq], res: StepResult) -> None:
-        logits, want = self._forward(seqs)
+        logits, want, masks = self._forward(seqs, fill_masks=True)
         t0 = time.perf_counter()
         try:
-            self._sample(seqs, logits, want, res)
+            self._sample(seqs, logits, want, res, masks)
         finally:
             self.last_parts["sample"] = time.perf_counter() - t0
 
-    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor, want: _LogitRows, res: StepResult) -> None:
+    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor, want: _LogitRows, res: StepResult,
+                masks: Optional[Future] = None) -> None:
+        mask = masks.result() if masks is not None else None      # TokenMask of the sampled rows, or None
         sampled = want.sampled
         if want.prompt:
             self._score_prompts(logits[len(want.rows):], want.prompt)
@@ -611,7 +631,7 @@ class TorchExecutor:
             self._sample_verify(logits, runs, sampled, res)
         else:
             states = [st.seq for st in sampled]
-            tokens, lps = self.sampler.sample(logits, states)
+            tokens, lps = self.sampler.sample(logits, states, mask)
             for seq, t, lp in zip(states, tokens, lps):
                 res.tokens[seq.req_id] = [t]
                 if lp is not None:

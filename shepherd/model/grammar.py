@@ -219,7 +219,8 @@ class GrammarMasks:
         self._matchers: dict[str, Any] = {}
         self._fed: dict[str, int] = {}
         self.failed: dict[str, str] = {}   # req_id -> error, taken by the executor after sampling
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool: Optional[ThreadPoolExecutor] = None          # compiles, at a lower priority
+        self._fill_pool: Optional[ThreadPoolExecutor] = None     # masks beside the forward (fill_async)
         self._pending: dict[tuple[str, str], Future] = {}
         self._build_lock = threading.Lock()
 
@@ -267,7 +268,8 @@ class GrammarMasks:
         """This step's masks of the constrained rows of `reqs` (one row per request), or None
         where no row restricts anything. A row whose grammar allows every token is left out
         (xgrammar says so when it fills it: `need_apply`); a finished grammar allows only the
-        request's stop tokens. Reads only the requests' tokens, not the logits."""
+        request's stop tokens. Reads only the requests' tokens, so it may run while the forward
+        that produces this step's logits runs (fill_async)."""
         rows = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
         if not rows:
             return None
@@ -294,6 +296,13 @@ class GrammarMasks:
             elif m.fill_next_token_bitmask(bitmask, i):
                 restrict.append(i)
         return TokenMask(bitmask, restrict) if restrict else None
+
+    def fill_async(self, reqs: Sequence, vocab_size: int) -> Future:
+        """fill in the hook's own thread, at the engine's priority (not the compiles' lower one):
+        the executor starts it before the forward and takes the result after."""
+        if self._fill_pool is None:
+            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="shepherd-masks")
+        return self._fill_pool.submit(self.fill, list(reqs), vocab_size)
 
     def apply(self, logits, reqs: Sequence) -> None:
         """logits: a torch tensor [S, V], one row per request; masked in place."""
