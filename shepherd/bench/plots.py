@@ -247,19 +247,40 @@ def replicas_figure(plt, ts: dict, title: str = ""):
     return fig
 
 
+PREFIX_BINS = 64
+PREFIX_KEYS = ("prefix_hit_infinite", "prefix_hit_lru_cluster", "prefix_hit")
+
+
+def prefix_rates(ts: dict, max_bins: int = PREFIX_BINS) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(edges, tokens asked, {key: hit rate}) of the arrival-time bins, adjacent bins merged
+    (their tokens summed) so that there are at most `max_bins`: the simulator's bins are fine
+    enough for a day, and a bin of a few requests is all or nothing. Bins where nothing was
+    asked are left out of the rates (NaN)."""
+    edges = np.asarray(ts["prefix_edges"], dtype=float)
+    q = np.asarray(ts["prefix_query"], dtype=float)
+    k = max(1, -(-len(q) // max_bins))
+    pad = (-len(q)) % k
+
+    def merged(a):
+        return np.concatenate([np.asarray(a, dtype=float), np.zeros(pad)]).reshape(-1, k).sum(axis=1)
+    qm = merged(q)
+    width = edges[1] - edges[0]
+    e = edges[0] + np.arange(len(qm) + 1) * width * k
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rates = {key: np.where(qm > 0, merged(ts[key]) / np.where(qm > 0, qm, 1), np.nan) for key in PREFIX_KEYS}
+    return e, qm, rates
+
+
 def prefix_figure(plt, ts: dict, title: str = ""):
     """Prefix hit rate of the requests arriving in each time bin: achieved, and the two bounds
     (one cache that never forgets; one LRU cache of the whole cluster's KV)."""
-    edges = np.asarray(ts["prefix_edges"])
+    edges, q, rates = prefix_rates(ts)
     mid = (edges[:-1] + edges[1:]) / 2
-    q = np.asarray(ts["prefix_query"], dtype=float)
     ok = q > 0
     fig, ax = plt.subplots(figsize=(11, 3.8))
-    for key, label, style in (("prefix_hit_infinite", "bound: infinite cache", ":"),
-                              ("prefix_hit_lru_cluster", "bound: cluster-wide LRU", "--"),
-                              ("prefix_hit", "achieved", "-")):
-        rate = np.asarray(ts[key], dtype=float)[ok] / q[ok]
-        ax.plot(mid[ok], rate, style, lw=1.3, label=label)
+    for key, label, style in zip(PREFIX_KEYS, ("bound: infinite cache", "bound: cluster-wide LRU", "achieved"),
+                                 (":", "--", "-")):
+        ax.plot(mid[ok], rates[key][ok], style, lw=1.3, marker="." if ok.sum() < 40 else None, label=label)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("arrival time (s)")
     ax.set_ylabel("prefix hit rate (tokens)")
@@ -296,4 +317,4 @@ def write_plots(out_dir, stats: RecordStats, timeseries: Optional[dict] = None, 
     return paths
 
 
-__all__ = ["write_plots", "draw_timeline", "intervals_of", "STATE_COLORS", "replicas_figure", "prefix_figure"]
+__all__ = ["write_plots", "draw_timeline", "intervals_of", "STATE_COLORS", "replicas_figure", "prefix_figure", "prefix_rates"]
