@@ -7,9 +7,10 @@ the same flags) run side by side; one publishes its KV events
 (--kv-events-config, PUB + replay on loopback) to a subscriber in this process
 that builds the gateway's index from them, as a fleet router would. The official
 `openai` client (benchmarks/_openai_client.py) keeps 64 streaming chat requests
-in flight (max_tokens 128, ignore_eos) against one server at a time, alternating
-off, on, off, on, ...; the figure is the median served tok/s of each and their
-ratio. Writes the table into docs/ROUTING.md (<!-- kv-events-cost -->) with --docs.
+in flight (max_tokens 128, ignore_eos) against one server at a time, in rounds
+ordered off-on, on-off, off-on, ... (a drift of the machine over a round pair
+falls on both); the figures are the median served tok/s of each, their ratio,
+and each round's own on/off ratio with the median and range of those. Writes the table into docs/ROUTING.md (<!-- kv-events-cost -->) with --docs.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def main() -> None:
         for k, s in servers.items():          # warm-up: first requests pay one-time costs
             asyncio.run(fixed_concurrency(s.url, NAME, questions(4), 4, 8, 16, body))
         for rnd in range(a.rounds):
-            for k in ("off", "on"):
+            for k in (("off", "on") if rnd % 2 == 0 else ("on", "off")):
                 r = asyncio.run(fixed_concurrency(servers[k].url, NAME, questions(a.requests), a.concurrency,
                                                   a.requests, a.max_tokens, body))
                 assert r["errors"] == 0, r
@@ -78,16 +79,20 @@ def main() -> None:
         for s in servers.values():
             s.stop()
     off, on = statistics.median(got["off"]), statistics.median(got["on"])
+    ratios = [y / x for x, y in zip(got["off"], got["on"])]
     md = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, `python benchmarks/kv_events_cost.py "
           f"--rounds {a.rounds} --requests {a.requests}` ({a.concurrency} streams, max_tokens {a.max_tokens}); "
           f"the subscriber applied {st['batches']} batches ({st['gaps']} gaps, {st['drops']} drops), its index "
           f"ended with {blocks} blocks.\n\n"
           "| events | served tok/s, each round | median | ratio |\n|---|---|---:|---:|\n"
           f"| off | {', '.join(f'{x:.1f}' for x in got['off'])} | {off:.1f} | 1.000 |\n"
-          f"| on | {', '.join(f'{x:.1f}' for x in got['on'])} | {on:.1f} | {on / off:.3f} |\n")
+          f"| on | {', '.join(f'{x:.1f}' for x in got['on'])} | {on:.1f} | {on / off:.3f} |\n"
+          f"\nEach round's on/off ratio: {', '.join(f'{r:.3f}' for r in ratios)}; median "
+          f"{statistics.median(ratios):.3f}, range {min(ratios):.3f} to {max(ratios):.3f}.\n")
     print(md)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"off": got["off"], "on": got["on"], "subscriber": st}, indent=1))
+    (out / "results.json").write_text(json.dumps({"off": got["off"], "on": got["on"], "ratios": ratios,
+                                                  "subscriber": st}, indent=1))
     if a.docs:
         from routing_sim import write_docs
         write_docs(md, mark="kv-events-cost")
