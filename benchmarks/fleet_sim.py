@@ -1,6 +1,8 @@
 """Precise prefix routing in the simulator, on a long multi-turn conversation trace.
 
-    python benchmarks/fleet_sim.py [--requests 3000] [--jobs 2] [--docs]
+    python benchmarks/fleet_sim.py [--requests 3000] [--jobs 2] [--explain] [--docs]
+    python benchmarks/fleet_sim.py --trace mooncake --routers cache-aware,precise-prefix [--docs]
+    python benchmarks/fleet_sim.py --routers precise-prefix --knobs '{"pressure_weight": 0}'
 
 The workload is synthetic (bench/synthetic.py; no multi-turn trace with token
 sharing ships in ../shared/data): chat sessions arriving at --session-rate per
@@ -21,6 +23,18 @@ per replica, TTFT, evicted tokens and the decisions. precise-prefix reads every
 replica's cache exactly (the simulator feeds its index from the caches'
 own records, as the engine's KV events would). Writes OUT/results.json and, with
 --docs, the table into docs/ROUTING.md (<!-- fleet-sim -->).
+
+--explain splits each router's distance to the LRU bound request by request: the
+bound's hit tokens minus the router's, for the requests where the bound hit more
+(lost) and where the replicas hit more (gained: a radix cache evicts a history
+leaf first and keeps its front, the bound drops a session's piece whole), by what
+happened to the session's previous turn: still running when this turn arrived
+(its answer is not cached yet; the bound caches it at arrival), on the same
+replica (evicted there), on another replica (moved). Table in <!-- fleet-sim-explain -->.
+
+--trace mooncake replays shepherd/data/mooncake/synthetic_trace.jsonl (no sessions:
+Mooncake's shared 512-token blocks; KV from the GPU unless --kv-capacity), the
+second workload the precise router is checked on (<!-- fleet-sim-mooncake -->).
 """
 from __future__ import annotations
 
@@ -53,32 +67,104 @@ def workload(a):
                          num_requests=a.requests, seed=a.seed)
 
 
+def load(a):
+    if a.trace == "mooncake":
+        from shepherd.bench.traces import load_trace
+        from shepherd.paths import data_path
+        return load_trace(str(data_path("mooncake", "synthetic_trace.jsonl")), "mooncake", limit=a.requests)
+    from shepherd.bench.synthetic import synthetic
+    return synthetic(workload(a))
+
+
 def run_one(job):
     name, knobs, label, a = job
-    from shepherd.bench.synthetic import synthetic
     from shepherd.config import SchedulerConfig
     from shepherd.sim.simulator import SimConfig, Simulator
-    trace = synthetic(workload(a))
+    trace = load(a)
+    sched = SchedulerConfig(max_total_tokens=a.kv_capacity) if a.kv_capacity else SchedulerConfig()
     cfg = SimConfig(replicas=a.replicas, router=name, router_knobs=dict(knobs), kv_capacity=a.kv_capacity,
-                    scheduler=SchedulerConfig(max_total_tokens=a.kv_capacity), keep_records=False,
-                    timeseries=False, model="llama-3.1-8b", gpu="h100")
+                    scheduler=sched, keep_records=a.explain, timeseries=False, model="llama-3.1-8b", gpu="h100")
     t0 = time.perf_counter()
-    res = Simulator(cfg).run(trace)
+    sim = Simulator(cfg)
+    res = sim.run(trace)
     s = res.summary()
     b = s["hit_rate_bounds"]
     return {"policy": name, "knobs": knobs, "label": label, "hit": s["prefix_hit_rate"], "lru": b["lru_cluster"],
             "infinite": b["infinite"], "max_over_mean": s["balance"]["requests"], "ttft_p50": s["ttft_p50"],
             "ttft_p99": s["ttft_p99"], "evicted": s["cache"]["evicted_tokens"], "reasons": s["routing"],
             "requests": s["requests"], "completed": s["completed"], "wall_s": time.perf_counter() - t0,
-            "mean_prompt": sum(t.prompt_tokens for t in trace) / len(trace)}
+            "mean_prompt": sum(t.prompt_tokens for t in trace) / len(trace), "kv_per_replica": sim.kv_capacity,
+            "rejected": sum(r["count"] for r in res.rejections.values()),
+            **({"explain": explain(trace, res.records, sim.kv_capacity_total)} if a.explain else {})}
+
+
+CAUSES = ("first turn", "previous turn still running", "previous turn on the same replica",
+          "previous turn on another replica", "no session")
+
+
+def explain(trace, records, capacity: int) -> dict:
+    """{cause: [tokens lost, requests, tokens gained, requests]} against the cluster-LRU bound,
+    request by request (the bound fed in arrival order, as the simulator feeds it)."""
+    from shepherd.sim.cache_bounds import HitRateBounds
+    bound = HitRateBounds(capacity)
+    rec = {r.req_id: r for r in records}
+    prev: dict = {}
+    out = {c: [0, 0, 0, 0] for c in CAUSES}
+    for i, tr in enumerate(sorted(trace, key=lambda t: t.arrival)):
+        before = bound.hit_lru
+        bound.observe(tr)
+        r = rec.get(f"r{tr.index if tr.index is not None else i}")
+        if r is None or not r.ok:
+            continue
+        d = (bound.hit_lru - before) - r.cached_tokens
+        p = prev.get(tr.session) if tr.session else None
+        if not tr.session:
+            cause = "no session"
+        elif p is None:
+            cause = "first turn"
+        elif p.finish is None or p.finish > tr.arrival:
+            cause = "previous turn still running"
+        else:
+            cause = "previous turn on the same replica" if p.replica == r.replica else "previous turn on another replica"
+        if tr.session:
+            prev[tr.session] = r
+        c = out[cause]
+        if d > 0:
+            c[0] += d
+            c[1] += 1
+        elif d < 0:
+            c[2] -= d
+            c[3] += 1
+    out["bound_hit_tokens"] = bound.hit_lru
+    return out
+
+
+def explain_table(rows) -> str:
+    lines = ["| router | request | lost to the bound (tokens, requests) | gained over it | "
+             "net, of the bound's hits |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        ex = r.get("explain")
+        if not ex:
+            continue
+        tot = ex["bound_hit_tokens"]
+        for c in CAUSES:
+            lost, nl, gain, ng = ex[c]
+            if nl or ng:
+                lines.append(f"| {r['policy']} | {c} | {lost:,} ({nl}) | {gain:,} ({ng}) | {(lost - gain) / tot:.2%} |")
+    return "\n".join(lines) + "\n"
 
 
 def table(rows, a) -> str:
     r0 = rows[0]
-    head = (f"Synthetic chat sessions ({r0['requests']} requests, {a.turns} turns, {a.system_prompts} shared system "
-            f"prompts of {a.system_tokens} tokens, mean prompt {r0['mean_prompt']:,.0f} tokens), {a.replicas} replicas "
-            f"of llama-3.1-8b on h100 with {a.kv_capacity:,} KV tokens each. Bounds from the trace: one unlimited "
-            f"cache {r0['infinite']:.1%}, one LRU cache with the cluster's KV {r0['lru']:.1%}.\n\n")
+    if a.trace == "mooncake":
+        what = (f"Mooncake synthetic trace ({r0['requests']} requests, mean prompt {r0['mean_prompt']:,.0f} tokens, "
+                f"{r0['rejected']} longer than llama-3.1-8b's context refused)")
+    else:
+        what = (f"Synthetic chat sessions ({r0['requests']} requests, {a.turns} turns, {a.system_prompts} shared "
+                f"system prompts of {a.system_tokens} tokens, mean prompt {r0['mean_prompt']:,.0f} tokens)")
+    head = (f"{what}, {a.replicas} replicas of llama-3.1-8b on h100 with {r0['kv_per_replica']:,} KV tokens each. "
+            f"Bounds from the trace: one unlimited cache {r0['infinite']:.1%}, one LRU cache with the cluster's KV "
+            f"{r0['lru']:.1%}.\n\n")
     lines = ["| router | knobs | prefix hit | of the LRU bound | max/mean req | TTFT p50 ms | TTFT p99 ms | "
              "evicted tokens | decisions |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -93,7 +179,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--replicas", type=int, default=8)
-    ap.add_argument("--kv-capacity", type=int, default=65536, help="KV tokens per replica")
+    ap.add_argument("--trace", default="sessions", choices=["sessions", "mooncake"])
+    ap.add_argument("--kv-capacity", type=int, default=None,
+                    help="KV tokens per replica (default: 65,536 for sessions, the GPU's for mooncake)")
     ap.add_argument("--session-rate", type=float, default=0.5, help="new sessions per second")
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--think-time", type=float, default=30.0)
@@ -105,9 +193,19 @@ def main() -> None:
     ap.add_argument("--routers", default=None, help="comma-separated names (default: all rows)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "fleet_sim"))
+    ap.add_argument("--knobs", default=None, help="JSON knobs for the chosen --routers (e.g. precise-prefix's "
+                                                   "pressure_weight, pressure_window); rows labelled with them")
+    ap.add_argument("--explain", action="store_true", help="split each router's distance to the LRU bound")
     ap.add_argument("--docs", action="store_true", help="write the table into docs/ROUTING.md")
     a = ap.parse_args()
+    if a.kv_capacity is None and a.trace == "sessions":
+        a.kv_capacity = 65536
+    if a.trace == "mooncake" and a.requests == ap.get_default("requests"):
+        a.requests = None                     # the whole trace
     routers = [r for r in ROUTERS if a.routers is None or r[0] in a.routers.split(",")]
+    if a.knobs:
+        extra = json.loads(a.knobs)
+        routers = [(n, {**k, **extra}, ", ".join(f"{x}={v}" for x, v in extra.items())) for n, k, _ in routers]
     jobs = [(n, k, lbl, a) for n, k, lbl in routers]
     if a.jobs > 1:
         with ProcessPoolExecutor(a.jobs) as ex:
@@ -119,13 +217,20 @@ def main() -> None:
               f"  max/mean {r['max_over_mean']:.2f}  ttft p50 {r['ttft_p50'] * 1e3:.0f} ms  wall {r['wall_s']:.0f}s",
               flush=True)
     md = table(rows, a)
+    xmd = explain_table(rows) if a.explain else ""
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump({"args": {k: v for k, v in vars(a).items()}, "rows": rows}, f, indent=1)
     print(md)
+    print(xmd)
     if a.docs:
         from routing_sim import write_docs
-        write_docs(md, mark="fleet-sim")
+        if a.trace == "mooncake":
+            write_docs(md, mark="fleet-sim-mooncake")
+        elif a.routers is None and not a.knobs:   # the sessions table has every router's row, as defaults
+            write_docs(md, mark="fleet-sim")
+        if xmd:
+            write_docs(xmd, mark="fleet-sim-explain")
 
 
 if __name__ == "__main__":
