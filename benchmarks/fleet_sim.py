@@ -1,7 +1,7 @@
 """Precise prefix routing in the simulator, on a long multi-turn conversation trace.
 
     python benchmarks/fleet_sim.py [--requests 3000] [--jobs 2] [--explain] [--docs]
-    python benchmarks/fleet_sim.py --trace mooncake --routers cache-aware,precise-prefix [--docs]
+    python benchmarks/fleet_sim.py --trace mooncake --routers cache-aware,prefix-aware,precise-prefix [--docs]
     python benchmarks/fleet_sim.py --routers precise-prefix --knobs '{"pressure_weight": 0}'
 
 The workload is synthetic (bench/synthetic.py; no multi-turn trace with token
