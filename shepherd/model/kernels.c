@@ -21,7 +21,8 @@
 #include "kernel_abi.h"
 
 #define LANES 16
-#define LORA_RB 4      /* rows of one adapter per LoRA item (model/lora.py makes the items) */
+#define LORA_RB 4      /* rows of one adapter per LoRA item (model/lora.py makes the items;
+                          kernels_body.h's lora_item has one case per item size) */
 
 static inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t f2bf(float f) {
@@ -159,6 +160,8 @@ static inline int64_t vquant_f32(const float *x, int8_t *q, float sc, int64_t n)
 #define VSILU vsilu_bf16
 #define VABSMAX vabsmax_bf16
 #define VQUANT vquant_bf16
+#define VLD16 v_bf2f      /* 16 elements of T <-> float32 lanes (AVX-512 only) */
+#define VST16 v_f2bf
 #include "kernels_body.h"
 #undef SUF
 #undef T
@@ -167,6 +170,8 @@ static inline int64_t vquant_f32(const float *x, int8_t *q, float sc, int64_t n)
 #undef VSILU
 #undef VABSMAX
 #undef VQUANT
+#undef VLD16
+#undef VST16
 
 #define SUF f32
 #define T float
@@ -175,6 +180,8 @@ static inline int64_t vquant_f32(const float *x, int8_t *q, float sc, int64_t n)
 #define VSILU vsilu_f32
 #define VABSMAX vabsmax_f32
 #define VQUANT vquant_f32
+#define VLD16 _mm512_loadu_ps
+#define VST16 _mm512_storeu_ps
 #include "kernels_body.h"
 
 /* ---------------------------------------------------------------- attention entry points

@@ -181,6 +181,77 @@ void FN(attention_ref)(const T *q, int64_t q_stride, const T *pool, int64_t cap1
  * a row's bits do not depend on the rows beside it (its item, its step): the batch-invariant rule.
  * PEFT's order of roundings: the base output is rounded already, the update is added in float32
  * and the sum rounded once. */
+#ifdef __AVX512F__
+/* The same sums in AVX-512, a whole item at a time (n <= LORA_RB rows, a literal n through
+ * lora_item's switch, so the accumulators stay in registers): each A row and each B^T vector is
+ * loaded once for the item's rows, where the scalar form reloaded it per row, and the output
+ * rows are converted 16 lanes at a time. Per row the arithmetic is the scalar form's: the
+ * shrink's 16 lane partial sums (an FMA each, k in order), _mm512_reduce_add_ps (hsum) plus the
+ * tail; the expand's sum over j in order from 0 by FMAs; one rounding of y + update. */
+static inline __attribute__((always_inline)) void FN(lora_shrink_v)(const float *xf, int64_t K, const float *A,
+                                                                   int64_t R, float *s, int n) {
+    for (int64_t j = 0; j < R; j++) {
+        const float *a = A + j * K;
+        __m512 acc[LORA_RB];
+        for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            const __m512 av = _mm512_loadu_ps(a + k);
+            for (int i = 0; i < n; i++) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i * K + k), av, acc[i]);
+        }
+        for (int i = 0; i < n; i++) {
+            float t = 0.f;
+            for (int64_t kk = k; kk < K; kk++) t += xf[i * K + kk] * a[kk];
+            s[i * R + j] = _mm512_reduce_add_ps(acc[i]) + t;
+        }
+    }
+}
+
+/* y[rows[i]][off + c ..] += s[i][roff ..] . B^T[.., c ..] for 16 * C columns from c */
+static inline __attribute__((always_inline)) void FN(lora_expand_v)(const float *s, int64_t R, const float *Bt,
+        int64_t N, int64_t r, int64_t c, T *y, int64_t ldy, const int64_t *rows, int n, int C) {
+    __m512 acc[LORA_RB][4];
+    for (int i = 0; i < n; i++)
+        for (int q = 0; q < C; q++) acc[i][q] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < r; j++) {
+        const float *b = Bt + j * N + c;
+        __m512 bv[4];
+        for (int q = 0; q < C; q++) bv[q] = _mm512_loadu_ps(b + 16 * q);
+        for (int i = 0; i < n; i++) {
+            const __m512 sv = _mm512_set1_ps(s[i * R + j]);
+            for (int q = 0; q < C; q++) acc[i][q] = _mm512_fmadd_ps(sv, bv[q], acc[i][q]);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        T *yr = y + rows[i] * ldy + c;
+        for (int q = 0; q < C; q++) VST16(yr + 16 * q, _mm512_add_ps(VLD16(yr + 16 * q), acc[i][q]));
+    }
+}
+
+static inline __attribute__((always_inline)) void FN(lora_item_v)(const float *xf, int64_t K, T *y, int64_t ldy,
+        const int64_t *rec, const int64_t *rows, float *s, int n) {
+    const float *A = (const float *)(intptr_t)rec[LR_A];
+    const int64_t R = rec[LR_RANK], np = rec[LR_PARTS];
+    FN(lora_shrink_v)(xf, K, A, R, s, n);
+    for (int64_t p = 0; p < np; p++) {
+        const int64_t *f = rec + LR_B0 + p * LR_PART;
+        const float *Bt = (const float *)(intptr_t)f[0];
+        const int64_t off = f[1], N = f[2], roff = f[3], r = f[4];
+        T *yo = y + off;
+        int64_t c = 0;
+        for (; c + 64 <= N; c += 64) FN(lora_expand_v)(s + roff, R, Bt, N, r, c, yo, ldy, rows, n, 4);
+        for (; c + 16 <= N; c += 16) FN(lora_expand_v)(s + roff, R, Bt, N, r, c, yo, ldy, rows, n, 1);
+        for (; c < N; c++)
+            for (int i = 0; i < n; i++) {
+                float acc = 0.f;
+                for (int64_t j = 0; j < r; j++) acc += s[i * R + roff + j] * Bt[j * N + c];
+                T *yr = yo + rows[i] * ldy + c;
+                *yr = ST(LD(*yr) + acc);
+            }
+    }
+}
+#endif
+
 static void FN(lora_item)(const T *x, int64_t K, T *y, int64_t ldy, const int64_t *rec,
                           const int64_t *rows, int64_t n) {
     const float *A = (const float *)(intptr_t)rec[LR_A];
@@ -188,6 +259,15 @@ static void FN(lora_item)(const T *x, int64_t K, T *y, int64_t ldy, const int64_
     float xf[LORA_RB][K], s[LORA_RB][R];
     for (int64_t i = 0; i < n; i++)
         for (int64_t k = 0; k < K; k++) xf[i][k] = LD(x[rows[i] * K + k]);
+#ifdef __AVX512F__
+    _Static_assert(LORA_RB == 4, "one case per item size below");
+    switch (n) {   /* a literal n per case: straight-line register code */
+    case 4: FN(lora_item_v)(&xf[0][0], K, y, ldy, rec, rows, &s[0][0], 4); return;
+    case 3: FN(lora_item_v)(&xf[0][0], K, y, ldy, rec, rows, &s[0][0], 3); return;
+    case 2: FN(lora_item_v)(&xf[0][0], K, y, ldy, rec, rows, &s[0][0], 2); return;
+    default: FN(lora_item_v)(&xf[0][0], K, y, ldy, rec, rows, &s[0][0], 1); return;
+    }
+#endif
     for (int64_t j = 0; j < R; j++) {   /* each A row is read once for the item's rows */
         const float *a = A + j * K;
         for (int64_t i = 0; i < n; i++) {
