@@ -188,23 +188,36 @@ void FN(attention_ref)(const T *q, int64_t q_stride, const T *pool, int64_t cap1
  * rows are converted 16 lanes at a time. Per row the arithmetic is the scalar form's: the
  * shrink's 16 lane partial sums (an FMA each, k in order), _mm512_reduce_add_ps (hsum) plus the
  * tail; the expand's sum over j in order from 0 by FMAs; one rounding of y + update. */
-static inline __attribute__((always_inline)) void FN(lora_shrink_v)(const float *xf, int64_t K, const float *A,
-                                                                   int64_t R, float *s, int n) {
-    for (int64_t j = 0; j < R; j++) {
-        const float *a = A + j * K;
-        __m512 acc[LORA_RB];
-        for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
-        int64_t k = 0;
-        for (; k + 16 <= K; k += 16) {
-            const __m512 av = _mm512_loadu_ps(a + k);
-            for (int i = 0; i < n; i++) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i * K + k), av, acc[i]);
-        }
+/* s[i][j .. j + J) for the item's n rows: J A rows at once, so that each x vector loaded serves
+ * J FMAs (the load ports, not the FMAs, bound the one-row-of-A form) */
+static inline __attribute__((always_inline)) void FN(lora_shrink_rows)(const float *xf, int64_t K, const float *A,
+                                                                      int64_t R, int64_t j, float *s, int n, int J) {
+    __m512 acc[4][LORA_RB];
+    for (int q = 0; q < J; q++)
+        for (int i = 0; i < n; i++) acc[q][i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 av[4];
+        for (int q = 0; q < J; q++) av[q] = _mm512_loadu_ps(A + (j + q) * K + k);
         for (int i = 0; i < n; i++) {
-            float t = 0.f;
-            for (int64_t kk = k; kk < K; kk++) t += xf[i * K + kk] * a[kk];
-            s[i * R + j] = _mm512_reduce_add_ps(acc[i]) + t;
+            const __m512 xv = _mm512_loadu_ps(xf + i * K + k);
+            for (int q = 0; q < J; q++) acc[q][i] = _mm512_fmadd_ps(xv, av[q], acc[q][i]);
         }
     }
+    for (int q = 0; q < J; q++)
+        for (int i = 0; i < n; i++) {
+            const float *a = A + (j + q) * K;
+            float t = 0.f;
+            for (int64_t kk = k; kk < K; kk++) t += xf[i * K + kk] * a[kk];
+            s[i * R + j + q] = _mm512_reduce_add_ps(acc[q][i]) + t;
+        }
+}
+
+static inline __attribute__((always_inline)) void FN(lora_shrink_v)(const float *xf, int64_t K, const float *A,
+                                                                   int64_t R, float *s, int n) {
+    int64_t j = 0;
+    for (; j + 4 <= R; j += 4) FN(lora_shrink_rows)(xf, K, A, R, j, s, n, 4);
+    for (; j < R; j++) FN(lora_shrink_rows)(xf, K, A, R, j, s, n, 1);
 }
 
 /* y[rows[i]][off + c ..] += s[i][roff ..] . B^T[.., c ..] for 16 * C columns from c */
