@@ -92,6 +92,14 @@ async def spread(url: str, models: list[str], streams: int, max_tokens: int) -> 
             "tpot_p50": statistics.median(r["tpot_p50"] for r in rs)}
 
 
+def lora_loads(metrics: str) -> tuple[float, float]:
+    """(count, total seconds) of the server's shepherd:lora_load_seconds histogram."""
+    import re
+    got = {k: float(v) for k, v in re.findall(r"^shepherd:lora_load_seconds_(count|sum)\{[^}]*\} (\S+)$",
+                                                metrics, re.M)}
+    return got.get("count", 0.0), got.get("sum", 0.0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=64)
@@ -112,6 +120,7 @@ def main() -> int:
     for i, n in enumerate(names):
         write_adapter(folders[n], a.rank, 30, i)
     results = {}
+    loads = {}
     for server in a.servers.split(","):
         make = {"shepherd": shepherd_cmd, "vllm": vllm_cmd}[server]
         port = loadgen.free_port()
@@ -130,6 +139,8 @@ def main() -> int:
                     rows[label].append(r)
                     print(f"  {server} {label}: {r['tok_s']:.0f} tok/s, TPOT p50 {r['tpot_p50'] * 1000:.1f} ms"
                           f"{', ERRORS ' + str(r['errors']) if r['errors'] else ''}", flush=True)
+            if server == "shepherd":
+                loads[server] = lora_loads(httpx.get(url + "/metrics").text)
         finally:
             loadgen.stop_server(proc)
         results[server] = ({k: statistics.median(r["tok_s"] for r in v) for k, v in rows.items()},
@@ -144,6 +155,9 @@ def main() -> int:
     if "shepherd" in results and "vllm" in results:
         for k in ("base", "adapters"):
             print(f"shepherd / vLLM, {k}: {results['shepherd'][0][k] / results['vllm'][0][k]:.2f}x")
+    for server, (n, sec) in loads.items():
+        if n:
+            print(f"{server}: adapter loads (shepherd:lora_load_seconds): {n:.0f}, mean {sec / n * 1000:.2f} ms each")
     return 0
 
 

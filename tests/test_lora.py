@@ -270,6 +270,10 @@ def test_load_select_unload_over_http(server, adapters, bad_adapters):
         assert len(set(texts.values())) == 3
         metrics = c.get("/metrics").text
         assert re.search(r'vllm:lora_requests_info\{max_lora="2",', metrics), metrics[-2000:]
+        # a1 and a2 were each loaded into a slot once: the engine's measured load times
+        loads = re.search(r'shepherd:lora_load_seconds_count\{[^}]*\} (\S+)', metrics)
+        total = re.search(r'shepherd:lora_load_seconds_sum\{[^}]*\} (\S+)', metrics)
+        assert loads and float(loads.group(1)) == 2 and 0 < float(total.group(1)) < 10, metrics[-3000:]
         # unload with a request in flight: 409, and the request is unaffected
         body = {"model": "a2", "prompt": prompts[1], "max_tokens": 400, "ignore_eos": True, "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as s:

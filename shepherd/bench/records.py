@@ -53,3 +53,4 @@ class TraceRequest:
     prefix_tokens: int = 0                    # with prefix_group: how many leading tokens the group shares
     session: Optional[str] = None             # synthetic multi-turn session id
     turn: int = 0                             # turn number within the session
+    adapter: Optional[str] = None             # the LoRA adapter it names (None: the base model)

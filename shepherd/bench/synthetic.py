@@ -6,6 +6,7 @@
     synthetic(spec) -> list[TraceRequest]          the same, as a list
     parse_clients("a=1.5,b=3" | "N@R") -> list[ClientSpec]
     read_synthetic_spec(path) -> SyntheticSpec     a JSON file
+    with_adapters(reqs, names, zipf=1.0, seed=0)   each request names a LoRA adapter, Zipf-popular
 """
 from __future__ import annotations
 
@@ -217,3 +218,25 @@ def read_synthetic_spec(path) -> SyntheticSpec:
 
 __all__ = ["LengthDist", "ClientSpec", "SyntheticSpec", "iter_synthetic", "synthetic", "parse_clients",
            "read_synthetic_spec"]
+
+
+def adapter_names(n: int) -> list[str]:
+    """The simulator's adapter names, most popular first (`--adapters N`)."""
+    return [f"lora-{k}" for k in range(n)]
+
+
+def with_adapters(reqs, names: list[str], zipf: float = 1.0, seed: int = 0) -> Iterator[TraceRequest]:
+    """Each request names one of `names` (a LoRA adapter), the k-th (from 0) with probability
+    proportional to 1 / (k + 1) ** zipf: LoRAX's and S-LoRA's many-adapter workload, a few hot
+    adapters and a long tail. Drawn from its own generator, so the rest of the workload is the
+    one without adapters."""
+    if not names:
+        raise ValueError("with_adapters: no adapter names")
+    if zipf < 0:
+        raise ValueError(f"adapter popularity zipf={zipf}: must be >= 0 (0 = uniform)")
+    w = [1.0 / (k + 1) ** zipf for k in range(len(names))]
+    cum = np.cumsum(w) / sum(w)
+    rng = random.Random(f"adapters-{seed}")
+    for r in reqs:
+        r.adapter = names[min(int(np.searchsorted(cum, rng.random(), side="right")), len(names) - 1)]
+        yield r

@@ -70,6 +70,7 @@ class CoreStep(NamedTuple):
     stats: SchedulerStats
     step_time: Optional[float]      # executor time of the step, None when no step ran
     generated: int
+    lora_loads: tuple = ()          # seconds of each LoRA adapter load (host -> adapter slot) since the last
 
 
 class CoreInfo(NamedTuple):
@@ -102,6 +103,9 @@ class ServedCore:
         # step waits for a compile; admitted (or rejected) once grammar_ready says so
         self._grammar_ready: Optional[Callable[[tuple], bool]] = getattr(core.executor, "grammar_ready", None)
         self._parked: dict[str, Request] = {}
+        # the executor's adapter loads of the last step (seconds each), for shepherd:lora_load_seconds
+        self._take_lora_loads: Optional[Callable[[], list]] = getattr(core.executor, "take_lora_loads", None)
+        self.lora_loads: tuple = ()
 
     @property
     def has_work(self) -> bool:
@@ -225,6 +229,7 @@ class ServedCore:
             return outs, None, 0
         generated = sum(len(o[1]) for o in outs)
         self.last_stats = self.scheduler.stats()     # a fresh snapshot: logged here, sent by the loop
+        self.lora_loads = tuple(self._take_lora_loads()) if self._take_lora_loads is not None else ()
         self.step_logger.on_step(self.last_stats, step.end, generated)
         return outs, float(step.step_time or (step.end - step.start)), generated
 
@@ -278,7 +283,8 @@ def run_loop(served: ServedCore, recv: Callable[[Optional[float]], list], send: 
         stalled = not (answers or outs or step_time is not None or items)
         if not stalled:
             stats = served.last_stats if step_time is not None else served.scheduler.stats()
-            send(CoreStep(answers, outs, stats, step_time, generated))
+            send(CoreStep(answers, outs, stats, step_time, generated,
+                          served.lora_loads if step_time is not None else ()))
 
 
 # ------------------------------------------------------------------ watchdog

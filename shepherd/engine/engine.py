@@ -227,6 +227,9 @@ class EngineFront:
         if step.step_time is not None:
             m.steps.inc()
             m.step_time.observe(step.step_time)
+        if m.lora_load is not None:
+            for s in step.lora_loads:
+                m.lora_load.observe(s)
         finish = self.outputs.on_outputs(step.outputs, now)
         if finish and self._dead is None:
             self._send([(FINISH, rid) for rid in finish])

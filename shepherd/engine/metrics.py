@@ -24,6 +24,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+LORA_LOAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 # Metrics that mirror one SchedulerStats field, declared with it: a gauge is set to the field
@@ -91,6 +92,10 @@ class EngineMetrics:
         self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",
                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                                registry=r) if lora else None
+        # shepherd's: what loading one adapter into an adapter slot took (the simulator's
+        # --adapter-load-time is this figure, measured)
+        self.lora_load = hist("shepherd:lora_load_seconds", "Time to load one LoRA adapter into an adapter slot "
+                              "(host memory or its folder -> the executor's slot).", LORA_LOAD_BUCKETS) if lora else None
         self._last = None  # previous SchedulerStats, for counter deltas
 
     def set_cache_config(self, **info) -> None:

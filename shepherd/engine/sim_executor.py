@@ -31,7 +31,11 @@ step time counts the draft rows as tokens (the cost model's verify cost).
 Step time: `step_time(batch) -> seconds`, pluggable (the simulator passes
 sim/cost_model.py's); the default is affine:
     base + per_token * tokens computed + per_ctx * sum of context lengths
-plus, always, swap ops at `swap_time_per_token` per token moved.
+plus, always, swap ops at `swap_time_per_token` per token moved, and each LoRA adapter the
+scheduler loads into an adapter slot (batch.lora_loads) at `lora_load_time` seconds: the
+host -> pool copy, measured by the engine (shepherd:lora_load_seconds; sim/cost_model.py's
+LORA_LOAD_S is this machine's figure). The per-step adapter limit (--max-loras) is the
+scheduler's own (scheduler/adapters.py), the same in the simulator as in the engine.
 
 check=True turns the executor into a referee for tests: it keeps a shadow KV
 pool (token id, position) per slot and asserts that every position a sequence
@@ -83,7 +87,7 @@ class SimExecutor:
                  step_time: Optional[Callable[[ScheduledBatch], float]] = None,
                  swap_time_per_token: float = 1e-6, vocab_size: int = 49152, check: bool = False,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, model_name: Optional[str] = None,
-                 paced: bool = False, acceptance_rate: float = 0.0):
+                 paced: bool = False, acceptance_rate: float = 0.0, lora_load_time: float = 0.0):
         self.kv_capacity = kv_capacity
         self.host_kv_capacity = host_kv_capacity
         self.max_model_len = max_model_len
@@ -98,6 +102,8 @@ class SimExecutor:
         self.vocab_size = vocab_size
         self.check = check
         self.acceptance_rate = acceptance_rate
+        self.lora_load_time = lora_load_time
+        self.slots: dict[int, str] = {}       # adapter slot -> the adapter in it (from batch.lora_loads)
         self.seqs: dict[str, SimSeq] = {}
         # counters
         self.steps = 0
@@ -107,6 +113,9 @@ class SimExecutor:
         self.swapped_out_tokens = 0
         self.swapped_in_tokens = 0
         self.busy_time = 0.0
+        self.lora_loads = 0
+        self.lora_load_s = 0.0
+        self._load_times: list[float] = []
         self.tokens_by_req: dict[str, int] = {}   # tokens computed per request (prefix-cache tests)
         # referee state
         self._kv: dict[int, tuple[int, int]] = {}
@@ -155,6 +164,12 @@ class SimExecutor:
                 assert len(saved) == len(op.slots), (op.req_id, len(saved), len(op.slots))
                 for s, v in zip(op.slots, saved):
                     self._kv[s] = v
+        for ld in batch.lora_loads:
+            self.slots[ld.slot] = ld.name
+        load = len(batch.lora_loads) * self.lora_load_time
+        self.lora_loads += len(batch.lora_loads)
+        self.lora_load_s += load
+        self._load_times += [self.lora_load_time] * len(batch.lora_loads)
         tokens: dict[str, list[int]] = {}
         drafts: dict[str, list[int]] = {}
         if self.check:
@@ -179,9 +194,14 @@ class SimExecutor:
                     drafts[s.req_id] = self.draft(st, n_out + len(toks), toks[-1], s.propose)
                 if self.check:
                     st.ids.extend(toks)
-        t = self.step_time(batch) + moved * self.swap_time_per_token
+        t = self.step_time(batch) + moved * self.swap_time_per_token + load
         self.busy_time += t
         return StepResult(tokens=tokens, step_time=t, drafts=drafts)
+
+    def take_lora_loads(self) -> list[float]:
+        """The modelled seconds of each adapter load since the last call (as TorchExecutor's)."""
+        out, self._load_times = self._load_times, []
+        return out
 
     def verify(self, st: SimSeq, n_out: int, fed: list[int]) -> list[int]:
         """Greedy verification of fed = [last token, drafts...]: the tokens sampled after each,

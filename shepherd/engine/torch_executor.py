@@ -267,6 +267,7 @@ class TorchExecutor:
         self.lora_slot_of: dict[str, int] = {}       # resident adapter -> its slot (from batch.lora_loads)
         self.lora_loads = 0
         self.lora_load_s = 0.0
+        self._load_times: list[float] = []           # seconds of each load since take_lora_loads
         lc = cfg.lora
         if not (lc.enabled or lc.modules):
             return
@@ -314,8 +315,17 @@ class TorchExecutor:
             self.lora_slot_of.pop(old, None)
         self.lora.load(ld.slot, self.lora_registry.get(ld.name))
         self.lora_slot_of[ld.name] = ld.slot
+        dt = time.perf_counter() - t0
         self.lora_loads += 1
-        self.lora_load_s += time.perf_counter() - t0
+        self.lora_load_s += dt
+        self._load_times.append(dt)
+        log.debug("LoRA: %s loaded into slot %d in %.2f ms", ld.name, ld.slot, dt * 1000)
+
+    def take_lora_loads(self) -> list[float]:
+        """The seconds of each adapter load (host memory or folder -> adapter slot) since the last
+        call: the engine core turns them into shepherd:lora_load_seconds."""
+        out, self._load_times = self._load_times, []
+        return out
 
     def _row_slots(self, sts: list[_ReqState], rows: list[int]) -> list[int]:
         """Per row of the step, its adapter's slot (-1: the base model), from each seq's rows."""

@@ -39,6 +39,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+# One LoRA adapter load into an adapter slot (host memory -> the executor's pool): the engine's
+# own measurement, shepherd:lora_load_seconds, on this machine (Intel Xeon model 207, 2 cores)
+# for a rank-8 adapter of SmolLM2-135M on all 7 projections of its 30 layers (~9.7 MB float32),
+# `python benchmarks/lora_throughput.py --streams 64 --adapters 8 --rank 8 --rounds 3` (mean of its
+# loads). The simulator's default --adapter-load-time; a larger adapter or a PCIe copy costs
+# another figure (give --adapter-load-time).
+LORA_LOAD_S = 0.0133
+
 from shepherd.sim.hardware import GPUS, MODELS, GiB, GPUSpec, ModelSpec, get_gpu, get_model
 
 

@@ -230,6 +230,7 @@ class ReplicaSpec:
     group: int = 0                      # its ReplicaGroup in the fleet (sim/fleet.py)
     role: str = "both"                  # both | prefill | decode
     label: str = ""                     # its GPU type and tensor parallel degree, for reports
+    lora_load_time: float = 0.0         # seconds per LoRA adapter load (SimExecutor.lora_load_time)
 
 
 class Replica:
@@ -245,7 +246,7 @@ class Replica:
                               max_model_len=spec.max_model_len, eos_token_id=2, step_time=spec.cost.step_time,
                               swap_time_per_token=0.0, vocab_size=spec.vocab, check=False,
                               acceptance_rate=spec.sched_cfg.speculative.acceptance_rate
-                              if spec.sched_cfg.speculative else 0.0)
+                              if spec.sched_cfg.speculative else 0.0, lora_load_time=spec.lora_load_time)
         self.core = assemble(spec.sched_cfg, self.exec, VirtualClock(self._charge))
         self.sched = self.core.scheduler
         self.clock = 0.0

@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from shepherd.config import (ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, ConfigError, SchedulerConfig,
-                             SpeculativeConfig)
+from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
+                             ConfigError, SchedulerConfig, SpeculativeConfig)
 
 
 def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,10 +53,19 @@ def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding as in serve; the simulated drafts are accepted with "
                         "acceptance_rate each, and a verify costs its rows as tokens")
+    k.add_argument("--max-loras", type=int, default=s.max_loras,
+                   help="LoRA adapters resident at once, so at most this many in one step (with --adapters)")
+    k.add_argument("--adapter-policy", choices=ADAPTER_POLICIES, default=s.adapter_policy)
+    k.add_argument("--adapter-cycle-time", type=float, default=s.adapter_cycle_time)
+    k.add_argument("--vtc-unit", choices=VTC_UNITS, default=s.vtc_unit)
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
+    w.add_argument("--adapters", type=int, default=0, metavar="N",
+                   help="each request names one of N LoRA adapters (lora-0 .. lora-N-1), Zipf-popular")
+    w.add_argument("--adapter-zipf", type=float, default=1.0, metavar="S",
+                   help="adapter k (from 0) is asked with probability ~ 1/(k+1)^S (0: uniform)")
     w.add_argument("--trace", default=None, help="trace file (Azure CSV, Mooncake JSONL, ServeGen CSV, synthetic JSON)")
     w.add_argument("--format", choices=["azure", "mooncake", "servegen", "synthetic"], default=None,
                    help="trace format (default: from the file)")
@@ -128,6 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds added to every request's TTFT for the serving frontend (HTTP, tokenising, "
                         "the pipe to the engine and back; default: what `shepherd calibrate --served` measured, "
                         "else 0)")
+    c.add_argument("--adapter-load-time", type=float, default=None, metavar="S",
+                   help="seconds one LoRA adapter load (host -> adapter slot) adds to its step (default: the "
+                        "engine's measured shepherd:lora_load_seconds on this machine, sim/cost_model.LORA_LOAD_S)")
     c.add_argument("--mem-fraction", type=float, default=0.9, help="GPU memory for weights + KV")
     c.add_argument("--max-model-len", type=int, default=None)
     c.add_argument("--max-tokens", type=int, default=None,
@@ -168,7 +180,8 @@ def scheduler_config(args) -> SchedulerConfig:
         prefix_cache=not args.no_prefix_cache, mixed_steps=not args.no_mixed_steps,
         max_consecutive_prefill=args.max_consecutive_prefill,
         decode_first_prefill_every=args.decode_first_prefill_every, multi_step=args.multi_step,
-        aging_steps=args.aging_steps, seed=args.seed,
+        aging_steps=args.aging_steps, seed=args.seed, max_loras=args.max_loras,
+        adapter_policy=args.adapter_policy, adapter_cycle_time=args.adapter_cycle_time, vtc_unit=args.vtc_unit,
         speculative=SpeculativeConfig.from_json(args.speculative_config))
     return cfg
 
@@ -178,6 +191,15 @@ def build_workload(args):
     grow with the trace's length or with --rate x --num-requests."""
     from shepherd.bench import synthetic as S
     from shepherd.bench import traces as T
+    reqs, n = _workload(args, S, T)
+    if args.adapters < 0:
+        raise ValueError(f"--adapters {args.adapters}: must be >= 0")
+    if args.adapters:
+        reqs = S.with_adapters(reqs, S.adapter_names(args.adapters), args.adapter_zipf, args.seed)
+    return reqs, n
+
+
+def _workload(args, S, T):
     if args.trace:
         return T.iter_trace(args.trace, args.format, limit=args.limit, time_scale=args.time_scale,
                             rate=args.rate, seed=args.seed, repeat=args.repeat), None
@@ -255,7 +277,8 @@ def main(args) -> int:
                                     link_latency=args.pd_link_latency),
                         cost_model=args.cost_model, cost_knobs=cost_knobs,
                         gpu_prices=parse_prices(args.gpu_price, "--gpu-price"),
-                        gpu_powers=parse_prices(args.gpu_power, "--gpu-power"))
+                        gpu_powers=parse_prices(args.gpu_power, "--gpu-power"),
+                        adapter_load_time=args.adapter_load_time)
         # a fleet: each group's cost model of its own GPU type and TP (cfg.cost_model, cfg.cost_knobs)
         cost = None if args.fleet else make_cost_model(args.model, args.gpu, tp=args.tp,
                                                        cost_model=args.cost_model, **cost_knobs)

@@ -62,7 +62,7 @@ from shepherd.bench.traces import prompt_token_ids, session_stream
 from shepherd.config import SchedulerConfig, host_pool_tokens, whole_pages
 from shepherd.request import Request, SamplingParams
 from shepherd.sim.cache_bounds import HitRateBounds
-from shepherd.sim.cost_model import CostModel, RooflineCostModel
+from shepherd.sim.cost_model import LORA_LOAD_S, CostModel, RooflineCostModel
 from shepherd.sim.disagg import Disaggregation
 from shepherd.sim.fitted_cost import make_cost_model
 from shepherd.sim.fleet import FleetCost, PDConfig, ReplicaGroup
@@ -115,6 +115,9 @@ class SimConfig:
     cost_knobs: dict = field(default_factory=dict)
     gpu_prices: dict = field(default_factory=dict)    # gpu -> $/GPU-hour, over the presets' (FleetCost)
     gpu_powers: dict = field(default_factory=dict)    # gpu -> W per GPU
+    # seconds one LoRA adapter load (host -> adapter slot) adds to the step that makes it resident;
+    # None: cost_model.LORA_LOAD_S, the engine's measured figure (shepherd:lora_load_seconds)
+    adapter_load_time: Optional[float] = None
 
 
 @dataclass
@@ -263,7 +266,8 @@ class Simulator:
         mml = cfg.max_model_len or model_context(cfg.model) or cap
         return ReplicaSpec(sched, cost, host, mml, self.vocab_size(), fast=cfg.fast, timeseries=cfg.timeseries,
                            record_batches=cfg.record_batches, group=gi, role=g.role,
-                           label=f"{g.gpu}" + (f"/tp{g.tp}" if g.tp > 1 else ""))
+                           label=f"{g.gpu}" + (f"/tp{g.tp}" if g.tp > 1 else ""),
+                           lora_load_time=LORA_LOAD_S if cfg.adapter_load_time is None else cfg.adapter_load_time)
 
     def vocab_size(self) -> int:
         cfg = self.cfg
@@ -315,7 +319,8 @@ class Simulator:
             params = SamplingParams(max_tokens=max(self.cfg.max_tokens, target), temperature=0.0)
         rid = f"r{tr.index if tr.index is not None else i}"
         req = Request(req_id=rid, prompt_ids=prompt_token_ids(tr, self.vocab, self.cfg.block_size), params=params,
-                      arrival=tr.arrival, client=tr.client, priority=tr.priority, eos_token_ids=(2,))
+                      arrival=tr.arrival, client=tr.client, priority=tr.priority, eos_token_ids=(2,),
+                      adapter=tr.adapter)
         if tr.session and tr.prompt_ids is None:     # its answer continues the session (bench/traces.py session_stream)
             req.sim_stream = session_stream(tr, self.cfg.block_size)
         return req, target
