@@ -41,6 +41,9 @@ class ReplicaState:
     kv_usage: float = 0.0           # fraction of KV capacity in use, in [0, 1]
     metrics_at: Optional[float] = None  # when running/waiting/kv_usage were last refreshed
     name: str = ""                  # free label (pod name, "replica-3")
+    # LoRA adapters the replica says it holds (vllm:lora_requests_info's running and waiting
+    # adapters; the simulator: its adapter slots); adapter-affinity reads it
+    adapters: frozenset = frozenset()
 
     @property
     def key(self) -> Hashable:
@@ -72,6 +75,7 @@ class RouteRequest:
     hash_ids: Optional[list[int]] = None    # precomputed prefix-chained block ids (Mooncake traces)
     max_tokens: int = 0                     # requested output length, when known
     req_id: str = ""
+    adapter: Optional[str] = None           # the LoRA adapter the request names (None: the base model)
 
 
 def healthy(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:

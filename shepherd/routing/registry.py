@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Sequence
 
+from shepherd.routing.adapters import AdapterAffinityPolicy
 from shepherd.routing.base import RoutingPolicy
 from shepherd.routing.cache_aware import CacheAwarePolicy
 from shepherd.routing.fairness import VTCBasicPolicy
@@ -27,11 +28,13 @@ POLICIES: dict = {
     "session-affinity": SessionAffinityPolicy,
     "weighted": WeightedPolicy,
     "precise-prefix": PrecisePrefixPolicy,
+    "adapter-affinity": AdapterAffinityPolicy,
 }
 ALIASES = {"rr": "round-robin", "roundrobin": "round-robin", "least-loaded": "least-request",
            "p2c": "power-of-two", "prefix-cache": "prefix-aware", "prefix": "prefix-aware",
            "cache_aware": "cache-aware", "vtc": "vtc-basic", "session": "session-affinity",
-           "llm-d": "weighted", "precise": "precise-prefix", "kv-events": "precise-prefix"}
+           "llm-d": "weighted", "precise": "precise-prefix", "kv-events": "precise-prefix",
+           "lora": "adapter-affinity", "lora-affinity": "adapter-affinity"}
 POLICY_NAMES = tuple(POLICIES)
 
 

@@ -65,11 +65,12 @@ class RoutePool:
                 st.waiting = nwait
                 st.kv_usage = used / max(1, rep.kv_capacity)
                 st.metrics_at = now
+                st.adapters = rep.adapters()
         if self.feed is not None:
             self.feed.sync()        # the replicas' caches as of now, exactly
         rr = R.RouteRequest(token_ids=req.prompt_ids, user=tr.client, session=tr.session,
                             input_tokens=tr.prompt_tokens, now=now, hash_ids=tr.hash_ids,
-                            max_tokens=req.params.max_tokens, req_id=req.req_id)
+                            max_tokens=req.params.max_tokens, req_id=req.req_id, adapter=req.adapter)
         st = self.policy.choose(rr, self.states)
         st.in_flight += 1
         self.policy.on_dispatch(rr, st)

@@ -326,6 +326,10 @@ class Replica:
             if not self._step():
                 break
 
+    def adapters(self) -> frozenset:
+        """The LoRA adapters in its adapter slots (what a replica's vllm:lora_requests_info says)."""
+        return frozenset(self.exec.slots.values())
+
     def counts(self) -> tuple[int, int, int, int, int]:
         """probe() of the scheduler, kept from the last step or chunk (each ends by
         sampling it) until the replica steps again or takes a request."""
