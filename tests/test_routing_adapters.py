@@ -83,3 +83,21 @@ def test_simulated_fleet_loads_fewer_adapters_with_affinity():
         return res, len(per)
     (_, pairs_aff), (_, pairs_lr) = run("adapter-affinity"), run("least-request")
     assert pairs_aff < pairs_lr
+
+
+def test_gateway_reads_adapters_and_base_names_from_metrics():
+    from shepherd.gateway.backends import parse_lora_info
+    from shepherd.gateway.intake import route_request_from
+    text = ('# HELP vllm:lora_requests_info Running stats on LoRA requests.\n'
+            'vllm:num_requests_running{model_name="base"} 3.0\n'
+            'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a1,a2",waiting_lora_adapters="a3"} '
+            '1.7e+09\n')
+    assert parse_lora_info(text) == (frozenset({"a1", "a2", "a3"}), frozenset({"base"}))
+    assert parse_lora_info("vllm:num_requests_running 1\n") == (frozenset(), frozenset())
+    p, rs = make_policy("adapter-affinity"), reps(2)
+    rs[1].adapters, rs[0].base_models, rs[1].base_models = frozenset({"a2"}), frozenset({"base"}), frozenset({"base"})
+    rs[1].in_flight = 4
+    rq = route_request_from({"model": "a2", "prompt": "hi"}, "completions", {}, 0.0)
+    assert rq.adapter == "a2" and p.choose(rq, rs).index == 1 and p.last_reason == "hit"
+    base = route_request_from({"model": "base", "prompt": "hi"}, "completions", {}, 0.0)
+    assert p.choose(base, rs).index == 0 and p.last_reason == "base"

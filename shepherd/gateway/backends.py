@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -35,6 +36,34 @@ RUNNING_NAMES = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING_NAMES = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 _WANTED = set(RUNNING_NAMES + WAITING_NAMES + KV_NAMES)
+LORA_INFO = "vllm:lora_requests_info"     # labels running_lora_adapters / waiting_lora_adapters: "a,b"
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_lora_info(text: str) -> tuple[frozenset, frozenset]:
+    """(adapters the replica runs or queues, per vllm:lora_requests_info's newest series; the
+    model_name labels of its vllm: metrics, i.e. its base model names)."""
+    adapters: frozenset = frozenset()
+    newest = None
+    models = set()
+    for line in text.splitlines():
+        if not line.startswith("vllm:") or "{" not in line:
+            continue
+        name, _, rest = line.partition("{")
+        labels = dict(_LABEL.findall(rest[:rest.rfind("}")]))
+        if "model_name" in labels:
+            models.add(labels["model_name"])
+        if name != LORA_INFO:
+            continue
+        try:
+            t = float(rest[rest.rfind("}") + 1:].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if newest is None or t >= newest:
+            newest = t
+            adapters = frozenset(a for k in ("running_lora_adapters", "waiting_lora_adapters")
+                                 for a in labels.get(k, "").split(",") if a)
+    return adapters, frozenset(models)
 
 
 def parse_backend_metrics(text: str) -> dict:
@@ -324,6 +353,7 @@ class BackendPool:
             s.waiting = m["waiting"]
         if m["kv_usage"] is not None:
             s.kv_usage = m["kv_usage"]
+        s.adapters, s.base_models = parse_lora_info(r.text)
         s.metrics_at = time.monotonic()
         return True
 

@@ -199,7 +199,10 @@ def route_request_from(payload: dict, kind: str, headers: dict, now: float) -> R
         raise bad_request("'user' must be a string", "user")
     user = user or headers.get("x-client-id") or None
     mt = payload.get("max_tokens", payload.get("max_completion_tokens", payload.get("max_output_tokens")))
+    model = payload.get("model")
     return RouteRequest(
+        adapter=model if isinstance(model, str) and model else None,   # a base model's name: the
+        # policy tells it from an adapter by the replicas' base_models
         text=text, token_ids=token_ids, user=user, session=headers.get("x-session-id"),
         headers=headers, input_tokens=len(token_ids) if token_ids else max(1, len(text) // 4),
         now=now, max_tokens=mt if isinstance(mt, int) and not isinstance(mt, bool) else 0)

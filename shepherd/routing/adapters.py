@@ -40,7 +40,7 @@ class AdapterAffinityPolicy(RoutingPolicy):
 
     def _choose(self, request, cands):
         a = request.adapter
-        if a is None:
+        if a is None or any(a in r.base_models for r in cands):
             self.last_reason = "base"
             return self._least_loaded(cands)
         least = min(r.load for r in cands)

@@ -44,6 +44,8 @@ class ReplicaState:
     # LoRA adapters the replica says it holds (vllm:lora_requests_info's running and waiting
     # adapters; the simulator: its adapter slots); adapter-affinity reads it
     adapters: frozenset = frozenset()
+    base_models: frozenset = frozenset()   # the names it serves its base model under (a request
+                                           # naming one is a base-model request)
 
     @property
     def key(self) -> Hashable:
