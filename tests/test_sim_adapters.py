@@ -131,3 +131,15 @@ def test_simulate_cli_adapters(tmp_path):
     names = {r.adapter for r in reqs}
     assert n == 60 and names <= set(S.adapter_names(12)) and "lora-0" in names
     assert sim_cli.main(args) == 0
+
+
+def test_bench_sends_the_adapter_as_model():
+    from shepherd.bench import bench_cli, loadgen
+    from shepherd.bench.prompts import BuiltPrompt
+    assert bench_cli.adapter_names("sql, chat", "http://x") == ["sql", "chat"]
+    cfg = loadgen.LoadConfig(url="http://x")
+    tr = TraceRequest(arrival=0.0, prompt_tokens=4, output_tokens=2, adapter="sql")
+    br = loadgen.BenchRequest(req_id="b0", trace=tr, prompt=BuiltPrompt(text="hi", prefix="", tokens=1))
+    assert loadgen.request_body(cfg, br, "base")["model"] == "sql"
+    tr.adapter = None
+    assert loadgen.request_body(cfg, br, "base")["model"] == "base"

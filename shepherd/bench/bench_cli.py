@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--output-len", default="128", help="output tokens (max_tokens), same forms (default 128)")
     s.add_argument("--shared-prefix", type=int, default=0,
                    help="N tokens of system prompt shared by every request (added to --input-len)")
+    s.add_argument("--adapters", default=None, metavar="N|NAME,...",
+                   help="each request names a LoRA adapter (its `model`), Zipf-popular: N = the first N adapters "
+                        "GET /v1/models lists (those with a parent), or the names given")
+    s.add_argument("--adapter-zipf", type=float, default=1.0, metavar="S",
+                   help="adapter k (from 0) is asked with probability ~ 1/(k+1)^S (0: uniform)")
     s.add_argument("--clients", type=int, default=1, help="spread requests round-robin over K clients (OpenAI `user`)")
     r = p.add_argument_group("requests")
     r.add_argument("--max-concurrency", type=int, help="at most C requests in flight; later ones wait client-side")
@@ -74,6 +79,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--slo-ttft", type=float, help="TTFT SLO (s) for goodput")
     o.add_argument("--slo-tpot", type=float, help="TPOT SLO (s) for goodput")
     o.add_argument("--label", default="", help="title for the plots")
+
+
+def adapter_names(spec: str, url: str, api_key=None) -> list[str]:
+    """--adapters: a count (the first N adapters the server lists: /v1/models entries with a
+    parent) or comma-separated names."""
+    import httpx
+
+    from shepherd.bench import loadgen
+    if not spec.strip().isdigit():
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+        if not names:
+            raise ValueError(f"{spec!r}: no adapter names")
+        return names
+    n = int(spec)
+    r = httpx.get(loadgen.base_url(url) + "/v1/models", headers=loadgen.headers(api_key), timeout=30)
+    r.raise_for_status()
+    names = [m["id"] for m in r.json().get("data") or [] if m.get("parent")]
+    if n < 1 or len(names) < n:
+        raise ValueError(f"asked for {n} adapters; {url} serves {len(names)} ({', '.join(names) or 'none'})")
+    return names[:n]
 
 
 def build_workload(args):
@@ -137,6 +162,16 @@ def main(args) -> int:
     if not trace:
         print("shepherd bench: the workload is empty", file=sys.stderr)
         return 2
+    if args.adapters:
+        import httpx
+
+        from shepherd.bench import synthetic
+        try:
+            names = adapter_names(args.adapters, args.url, args.api_key)
+            trace = list(synthetic.with_adapters(iter(trace), names, args.adapter_zipf, args.seed))
+        except (ValueError, OSError, httpx.HTTPError) as e:
+            print(f"shepherd bench: --adapters: {e}", file=sys.stderr)
+            return 2
 
     t_build = time.perf_counter()
     tok = prompts.load_tokenizer(args.tokenizer)

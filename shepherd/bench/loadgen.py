@@ -134,7 +134,7 @@ async def discover_model(url: str, api_key: Optional[str] = None, timeout: float
 def request_body(cfg: LoadConfig, br: BenchRequest, model: str) -> dict:
     tr = br.trace
     body: dict[str, Any] = {
-        "model": model,
+        "model": tr.adapter or model,          # a LoRA adapter by name (bench --adapters), else the model
         "max_tokens": int(tr.output_tokens),
         "stream": True,
         "stream_options": {"include_usage": True},
