@@ -36,6 +36,20 @@ from shepherd.model.lora import LoraPool, LoraRows
 from shepherd.model.quant import QLinear, cat_rows, dequantize, quantize_int8
 
 
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU has native bf16 dot products (AVX-512 bf16 or AMX), from /proc/cpuinfo;
+    False where it cannot tell."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split()
+                    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    return False
+
+
 # --------------------------------------------------------------------------- RoPE
 def rope_inv_freq(cfg: ModelConfig, rope_freqs: Optional[torch.Tensor] = None) -> torch.Tensor:
     dim = cfg.head_dim
@@ -196,7 +210,12 @@ class LlamaModel:
         # Padding M up to min_rows makes every row take the GEMM path. If the start-up
         # probe (TorchExecutor) still finds variance, fixed row tiles are used instead.
         self.min_rows = 4 if dtype == torch.bfloat16 else 8
-        self.attn_min_rows = 1 if dtype == torch.bfloat16 else 8
+        # bf16 attention at a decode's few query rows is row invariant where the CPU has bf16 dot
+        # products; on an Intel Xeon without avx512_bf16 a decode row's bits changed beside other
+        # sequences and with the thread count (tests/test_batch_invariance.py, torch path), and
+        # padding to 8 rows, as fp32 does, made them equal
+        native_bf16 = self.device.type != "cpu" or cpu_has_bf16_dot()
+        self.attn_min_rows = 1 if dtype == torch.bfloat16 and native_bf16 else 8
         self.row_tile = 0
         self.whole_forward = True   # False: one kernel call per op even where forward_layers applies
         self.lora: Optional[LoraPool] = None   # the executor's adapter slots, when it serves LoRA adapters
