@@ -235,6 +235,7 @@ def sim_run(args):
 def real_run(args):
     from shepherd.config import EngineConfig
     from shepherd.engine.torch_executor import TorchExecutor
+    from shepherd.step import PlainExecutor
     from shepherd.model.loader import default_model_path
     cap = args.real_cap
     ex = TorchExecutor(EngineConfig(model=default_model_path(), max_total_tokens=cap, host_kv_tokens=cap,
@@ -252,7 +253,7 @@ def real_run(args):
         lens = {r.req_id: r.sim_output_len for r in reqs}
         prompt_len: dict = {}
 
-        class _Ex:
+        class _Ex(PlainExecutor):     # the real model's tokens, no grammars or adapters
             kv_capacity, host_kv_capacity, max_model_len = ex.kv_capacity, ex.host_kv_capacity, ex.max_model_len
             eos_token_ids = (FORCED_EOS,)
 

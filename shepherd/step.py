@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
+from shepherd.config import ConfigError
 from shepherd.request import SamplingParams, TokenLogprob
 
 
@@ -133,7 +134,9 @@ class StepResult:
 
 
 class Executor(Protocol):
-    """What the engine needs from whatever runs batches (torch or simulated)."""
+    """What the engine needs from whatever runs batches (torch or simulated). Every member is
+    required (the core probes for none of them); an executor without grammars or adapters
+    answers as PlainExecutor below does."""
     kv_capacity: int                    # device KV slots, in tokens
     host_kv_capacity: int               # host (swap) pool size in tokens; 0 = no swap
     max_model_len: int
@@ -144,7 +147,57 @@ class Executor(Protocol):
 
     def execute(self, batch: ScheduledBatch) -> StepResult: ...
 
-    # Optional: an executor that enforces grammars (torch) also has
-    #     grammar_ready(spec) -> bool
-    # True once `spec` is compiled; else it compiles in the background and says False (raises
-    # when it cannot be compiled). The core keeps such a request out of the scheduler until then.
+    # Grammars compile off the step (issue 31): the core keeps a request whose grammar is not
+    # compiled out of the scheduler (ServedCore parks it) and asks again each loop turn, so no
+    # step waits for a compile. True once `spec` (kind, source) is compiled; else the compile
+    # starts in the background and the answer is False; raises when it cannot be compiled.
+    def grammar_ready(self, spec: tuple[str, str]) -> bool: ...
+
+    # LoRA (issue 28). The scheduler decides which adapters sit in the executor's slots
+    # (batch.lora_loads); the executor owns the adapters' weights, so the server asks it:
+    # whether adapters can be served at all (--enable-lora / --lora-modules; False: the load and
+    # unload endpoints answer that none are served) ...
+    @property
+    def lora_enabled(self) -> bool: ...
+
+    # ... which adapter names a request may ask for (checked again at intake: an unload may
+    # have raced the front's check) ...
+    def lora_names(self) -> list[str]: ...
+
+    # ... (name, folder) of each adapter served at start, for /v1/models ...
+    def lora_adapters(self) -> list[tuple[str, str]]: ...
+
+    # ... load and unload at run time (between steps; register raises model.lora.LoraError for a
+    # bad folder; unregister is called only once the scheduler holds no request of the adapter) ...
+    def register_lora(self, name: str, path: str) -> None: ...
+
+    def unregister_lora(self, name: str) -> None: ...
+
+    # ... and the seconds each adapter load took since the last call (the core calls it after
+    # every step that ran): shepherd:lora_load_seconds.
+    def take_lora_loads(self) -> list[float]: ...
+
+
+class PlainExecutor:
+    """The grammar and LoRA members of Executor for an executor that enforces no grammars and
+    serves no adapters (the simulated one, the tests' scripted ones): every grammar is ready
+    (it is not enforced), adapters are off. Subclass it and define the rest."""
+    lora_enabled = False
+
+    def grammar_ready(self, spec: tuple[str, str]) -> bool:
+        return True
+
+    def lora_names(self) -> list[str]:
+        return []
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        return []
+
+    def register_lora(self, name: str, path: str) -> None:
+        raise ConfigError("this engine serves no LoRA adapters (start it with --enable-lora)")
+
+    def unregister_lora(self, name: str) -> None:
+        raise ConfigError("this engine serves no LoRA adapters (start it with --enable-lora)")
+
+    def take_lora_loads(self) -> list[float]:
+        return []

@@ -16,7 +16,7 @@ import pytest
 
 from shepherd.config import EngineConfig, SchedulerConfig
 from shepherd.engine.engine import WATCHDOG_EXIT_CODE, Engine, EngineDeadError, QueueFull, RequestRejected
-from shepherd.step import StepResult
+from shepherd.step import PlainExecutor, StepResult
 from shepherd.model.loader import load_tokenizer
 from shepherd.request import SamplingParams, TokenLogprob
 
@@ -28,7 +28,7 @@ def tok():
     return load_tokenizer(None)
 
 
-class ScriptedExecutor:
+class ScriptedExecutor(PlainExecutor):
     """Emits `script` (token ids) in order for every request, then EOS; optional
     per-step delay and a gate that blocks steps until opened."""
 
@@ -409,11 +409,11 @@ def test_watchdog_exits_process_with_stacks():
         import asyncio, time, threading
         from shepherd.config import EngineConfig
         from shepherd.engine.engine import Engine
-        from shepherd.step import StepResult
+        from shepherd.step import PlainExecutor, StepResult
         from shepherd.model.loader import load_tokenizer
         from shepherd.request import SamplingParams
 
-        class Hang:
+        class Hang(PlainExecutor):
             kv_capacity = 1024; host_kv_capacity = 0; max_model_len = 512; eos_token_ids = (2,)
             model_name = "hang"; tokenizer = None; paced = False
             def execute(self, batch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from shepherd.config import SchedulerConfig
-from shepherd.step import StepResult
+from shepherd.step import PlainExecutor, StepResult
 from sim_targets import run_offline
 from shepherd.request import FinishReason, Request, RequestState, SamplingParams
 from shepherd.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
@@ -70,7 +70,7 @@ def test_max_tokens_length_and_stop_token_ids():
     assert done["c"].finish_reason is FinishReason.LENGTH and len(done["c"].output_ids) == 50
 
 
-class Scripted:
+class Scripted(PlainExecutor):
     """Executor that samples a fixed token sequence per request."""
     def __init__(self, script, cap=512):
         self.script, self.kv_capacity, self.host_kv_capacity = script, cap, 0

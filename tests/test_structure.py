@@ -6,7 +6,9 @@
   - no reach into another object's _private attribute: `x._y` only where x is `self` or
     `cls` (or `super()`), i.e. inside the class that owns _y (a library's own underscore
     API, e.g. torch's `ops.aten._weight_int8pack_mm` kernels, is the library's to keep);
-  - no module that only re-exports (a package's __init__ naming the package's API aside).
+  - no module that only re-exports (a package's __init__ naming the package's API aside);
+  - the executor is typed by step.Executor: no getattr/hasattr probe of an executor, and
+    every class in shepherd/ that runs batches (defines `execute`) has every member of it.
 
 Layers, bottom to top:
 
@@ -202,6 +204,25 @@ def _only_reexports(tree: ast.Module) -> bool:
     return True
 
 
+def _executor_probes(rel: str, tree: ast.AST):
+    """getattr / hasattr on an executor: a member that step.Executor should declare."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "hasattr") and node.args:
+            target = ast.unparse(node.args[0])
+            if "executor" in target or target == "ex":
+                yield f"{rel}:{node.lineno} {ast.unparse(node)}"
+
+
+def _executor_classes():
+    """(module, class name) of every class in shepherd/ that defines execute(), the protocol aside."""
+    for rel, _, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name != "Executor" and any(
+                    isinstance(f, ast.FunctionDef) and f.name == "execute" for f in node.body):
+                yield _module_name(rel), node.name
+
+
 def _functions(tree: ast.AST, prefix: str = ""):
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -245,6 +266,28 @@ def test_bench_and_sim_do_not_import_each_other():
     assert not (b2s and s2b), f"bench and sim import each other: {sorted(b2s)}"
 
 
+def test_executor_is_not_probed():
+    bad = [b for rel, _, tree in _modules() for b in _executor_probes(rel, tree)]
+    assert not bad, "probes of an executor (declare the member in step.Executor):\n  " + "\n  ".join(bad)
+
+
+def test_every_executor_has_every_member_of_the_step_contract():
+    """Methods and properties of step.Executor, on each class that runs batches and its subclasses
+    in shepherd/ (instance attributes such as kv_capacity are set in __init__: not checked here)."""
+    import importlib
+
+    from shepherd.step import Executor, PlainExecutor
+    members = [n for n, v in vars(Executor).items() if callable(v) or isinstance(v, property)]
+    members = [n for n in members if not n.startswith("_")]
+    assert {"execute", "grammar_ready", "lora_enabled", "take_lora_loads"} <= set(members)
+    classes = [getattr(importlib.import_module(m), c) for m, c in _executor_classes()] + [PlainExecutor]
+    assert len(classes) >= 3, classes       # TorchExecutor, SimExecutor, PlainExecutor
+    missing = [f"{c.__module__}.{c.__name__}.{n}" for c in classes for n in members
+               if c is not PlainExecutor and not hasattr(c, n)]
+    missing += [f"PlainExecutor.{n}" for n in members if n != "execute" and not hasattr(PlainExecutor, n)]
+    assert not missing, f"executors without a member of step.Executor: {missing}"
+
+
 def test_size_report(capsys):
     """Line counts are a report, not a cap: the largest modules and functions, printed."""
     mods = sorted(((len(path.read_text().splitlines()), rel) for rel, path, _ in _modules()), reverse=True)
@@ -275,3 +318,5 @@ def test_the_checks_can_fail():
     assert [b.split(" ")[1] for b in _reach_ins("x.py", tree)] == ["s._b", "s.kv._e"]
     assert _only_reexports(ast.parse('"""doc"""\nfrom a import b\n__all__ = ["b"]\n'))
     assert not _only_reexports(ast.parse("from a import b\n\ndef f():\n    return b\n"))
+    tree = ast.parse("a = getattr(core.executor, 'lora', None)\nb = hasattr(ex, 'x')\nc = getattr(m, 'tiles')\n")
+    assert [b.split(" ")[0] for b in _executor_probes("x.py", tree)] == ["x.py:1", "x.py:2"]

@@ -49,8 +49,7 @@ def build_served_core(cfg: EngineConfig, executor: Optional[Executor] = None,
                     max_model_len=int(executor.max_model_len),
                     eos_token_ids=tuple(executor.eos_token_ids or tokenizer.eos_token_ids or ()),
                     model_name=str(executor.model_name or model_name_from_path(cfg.model)),
-                    lora_adapters=tuple(getattr(executor, "lora_adapters", lambda: [])()),
-                    lora_enabled=getattr(executor, "lora", None) is not None)
+                    lora_adapters=tuple(executor.lora_adapters()), lora_enabled=executor.lora_enabled)
     kv_events = None
     if cfg.kv_events is not None and cfg.kv_events.enabled:
         from shepherd.kv_events.publisher import KVEventPublisher

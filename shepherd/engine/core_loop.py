@@ -100,12 +100,10 @@ class ServedCore:
         self._reqs: dict[str, Request] = {}
         self._first: set[str] = set()                  # requests that have not produced a token yet
         # requests whose grammar the executor is still compiling: outside the scheduler, so no
-        # step waits for a compile; admitted (or rejected) once grammar_ready says so
-        self._grammar_ready: Optional[Callable[[tuple], bool]] = getattr(core.executor, "grammar_ready", None)
+        # step waits for a compile; admitted (or rejected) once executor.grammar_ready says so
         self._parked: dict[str, Request] = {}
         # the executor's adapter loads of the last step (seconds each), for shepherd:lora_load_seconds
-        self._take_lora_loads: Optional[Callable[[], list]] = getattr(core.executor, "take_lora_loads", None)
-        self.lora_loads: tuple = ()
+        self.lora_loads: tuple[float, ...] = ()
 
     @property
     def has_work(self) -> bool:
@@ -120,11 +118,11 @@ class ServedCore:
             if kind == ADD:
                 req: Request = arg
                 req.arrival = min(req.arrival, now)
-                if req.adapter is not None and req.adapter not in self._lora_names():
+                if req.adapter is not None and req.adapter not in self.core.executor.lora_names():
                     # unloaded after the front checked the name (items arrive in order)
                     answers.append((req.req_id, ("rejected", f"no LoRA adapter named {req.adapter!r} is loaded",
                                                  0.0)))
-                elif req.params.grammar is not None and self._grammar_ready is not None:
+                elif req.params.grammar is not None:    # admitted below once its grammar is compiled
                     self._parked[req.req_id] = req
                 else:
                     self._admit(req, now, answers)
@@ -169,7 +167,7 @@ class ServedCore:
         """Admit the parked requests whose grammar is ready; reject those whose grammar failed."""
         for rid, req in list(self._parked.items()):
             try:
-                if not self._grammar_ready(req.params.grammar):
+                if not self.core.executor.grammar_ready(req.params.grammar):
                     continue
             except Exception as e:  # noqa: BLE001 - the server compiled it first; this request ends, not the core
                 del self._parked[rid]
@@ -179,14 +177,10 @@ class ServedCore:
             self._admit(req, now, answers)
 
     # ------------------------------------------------------------------ LoRA adapters
-    def _lora_names(self) -> list[str]:
-        names = getattr(self.core.executor, "lora_names", None)
-        return names() if names is not None else []
-
     def _lora_op(self, kind: str, name: str, path: Optional[str] = None) -> Optional[tuple]:
         """Load or unload an adapter between steps: None, or the (kind, message, 0.0) error."""
         ex = self.core.executor
-        if getattr(ex, "lora", None) is None:
+        if not ex.lora_enabled:
             return ("lora_off", "this server serves no LoRA adapters: start it with --enable-lora "
                                 "(or --lora-modules)", 0.0)
         if kind == LORA_LOAD:
@@ -229,7 +223,7 @@ class ServedCore:
             return outs, None, 0
         generated = sum(len(o[1]) for o in outs)
         self.last_stats = self.scheduler.stats()     # a fresh snapshot: logged here, sent by the loop
-        self.lora_loads = tuple(self._take_lora_loads()) if self._take_lora_loads is not None else ()
+        self.lora_loads = tuple(self.core.executor.take_lora_loads())
         self.step_logger.on_step(self.last_stats, step.end, generated)
         return outs, float(step.step_time or (step.end - step.start)), generated
 

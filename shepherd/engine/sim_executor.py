@@ -48,7 +48,7 @@ from __future__ import annotations
 import zlib
 from typing import Callable, Optional
 
-from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq, StepResult
+from shepherd.step import NewRequest, PlainExecutor, ScheduledBatch, ScheduledSeq, StepResult
 
 
 def affine_step_time(base: float = 0.005, per_token: float = 5e-5, per_ctx: float = 5e-8,
@@ -81,7 +81,9 @@ class SimSeq:
         self.slots: list[int] = []
 
 
-class SimExecutor:
+class SimExecutor(PlainExecutor):
+    # PlainExecutor: grammars are not enforced (every one is ready) and the server cannot load
+    # adapters into it; the simulator's replicas still schedule adapters (batch.lora_loads)
     def __init__(self, kv_capacity: int = 65536, host_kv_capacity: int = 0, max_model_len: int = 8192,
                  eos_token_id: int = 2, output_lens: Optional[dict[str, int]] = None,
                  step_time: Optional[Callable[[ScheduledBatch], float]] = None,

@@ -299,6 +299,11 @@ class TorchExecutor:
         if slot is not None:
             self.lora.clear(slot)
 
+    @property
+    def lora_enabled(self) -> bool:
+        """Adapter slots exist (--enable-lora or --lora-modules)."""
+        return self.lora is not None
+
     def lora_names(self) -> list[str]:
         return [] if self.lora_registry is None else self.lora_registry.names()
 
@@ -388,7 +393,7 @@ class TorchExecutor:
         return res
 
     def grammar_ready(self, spec: tuple[str, str]) -> bool:
-        """step.Executor's optional hook: compiles in the sampler's background thread."""
+        """step.Executor.grammar_ready: compiles in the sampler's background thread."""
         return self.sampler.grammar.prepare(spec)
 
     def add(self, new: NewRequest) -> None:
