@@ -13,6 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A running request's decoded tokens go into the prefix cache each time its computed length
+# crosses a whole block of this many tokens (KVManager.cache_decoded): the KV events' block
+# (shepherd/kv_events/hashing.py BLOCK_SIZE, checked equal by tests), so every insert announces
+# at least one new block and a page size of 1 does not insert token by token.
+DECODE_CACHE_BLOCK = 16
+
 
 @dataclass(slots=True)
 class NodeAdded:
@@ -50,4 +56,4 @@ class CacheEventLog:
         return out
 
 
-__all__ = ["CacheCleared", "CacheEventLog", "NodeAdded", "NodeEvicted", "NodeSplit"]
+__all__ = ["DECODE_CACHE_BLOCK", "CacheCleared", "CacheEventLog", "NodeAdded", "NodeEvicted", "NodeSplit"]

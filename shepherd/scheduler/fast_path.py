@@ -59,6 +59,13 @@ class DecodeHorizon:
         k = 1 << 30
         d_any = False
         last = 0 if finishing else 1     # the step that reaches a request's limit may be the k-th
+        kv = self.kv
+        shared: set = set()
+        if kv.tree is not None:
+            seen: set = set()
+            for e in running:
+                nid = id(e.node)
+                (shared if nid in seen else seen).add(nid)
         for e in running:
             r = e.req
             nc = r.num_computed
@@ -70,6 +77,11 @@ class DecodeHorizon:
             left = e.limit - nout - last
             if left < k:
                 k = left
+            if kv.tree is not None and kv.cache_may_share(e, shared):
+                # its next decode insert may free duplicate pages: at the window's last step at most
+                at = kv.next_cache_at(e.cached_len) - nc
+                if at < k:
+                    k = at
         if k <= 0:
             return 0
         K = cfg.debug_preempt_every

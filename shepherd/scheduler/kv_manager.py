@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from shepherd.request import RequestState
-from shepherd.scheduler.cache_events import CacheEventLog
+from shepherd.scheduler.cache_events import DECODE_CACHE_BLOCK, CacheEventLog
 from shepherd.scheduler.kv_pool import KVPool, pages_for
 from shepherd.scheduler.radix_cache import RadixCache
 from shepherd.scheduler.state import Entry, SchedulerStats
@@ -224,7 +224,17 @@ class KVManager:
         e.cached_len = 0
         req.slots = []
 
-    def _insert_rest(self, e: Entry, n: int):
+    @staticmethod
+    def _seq(req, n: int, more: list[int]) -> list[int]:
+        """Positions 0..n-1 of req's sequence: its prompt, its output ids, then `more` (tokens
+        sampled in a fast-forward window that output_ids does not hold yet)."""
+        pr = req.prompt_ids
+        if n <= len(pr):
+            return pr
+        out = req.output_ids
+        return pr + (out + more if more else out)[:n - len(pr)]
+
+    def _insert_rest(self, e: Entry, n: int, more: list[int] = ()):
         """Insert positions cached_len..n-1 of e's sequence under the node that holds its
         cached prefix (the root when none): the prefix is neither compared nor copied
         again. Returns (how many of positions 0..n-1 the tree already held, the node
@@ -233,27 +243,31 @@ class KVManager:
         c = e.cached_len
         assert e.node is not None or c == 0
         pr = req.prompt_ids
-        ids = pr[c:n] if n <= len(pr) else pr[c:] + req.output_ids[max(0, c - len(pr)):n - len(pr)]
+        if n <= len(pr):
+            ids = pr[c:n]
+        else:
+            out = req.output_ids + more if more else req.output_ids
+            ids = pr[c:] + out[max(0, c - len(pr)):n - len(pr)]
         existing, node = self.tree.insert_node(ids, req.slots[c:n], under=e.node)
         return c + existing, node
 
-    def cache_prefilled(self, e: Entry) -> None:
+    def cache_prefilled(self, e: Entry, n: Optional[int] = None, more: list[int] = ()) -> None:
         """SGLang's cache_unfinished_req: once a prompt is computed, put it in the
         prefix cache right away (not only when the request ends), so that requests
         arriving meanwhile with the same prefix hit it. Where the tree already held
         some of these tokens, the request switches to the tree's slots and frees its
-        duplicates (the executor is sent the whole slot table again)."""
+        duplicates (the executor is sent the whole slot table again). n: cache
+        positions 0..n-1 (page-aligned; default: all computed); more: see _seq."""
         req = e.req
-        n = req.num_computed
-        n -= n % self.page_size
+        if n is None:
+            n = req.num_computed
+            n -= n % self.page_size
         if not self._cached(req) or n <= e.cached_len:
             return
         tree = self.tree
-        existing, node = self._insert_rest(e, n)
+        existing, node = self._insert_rest(e, n, more)
         if existing > e.cached_len:
-            pr = req.prompt_ids
-            ids = pr if n <= len(pr) else pr + req.output_ids[:n - len(pr)]
-            slots, node = tree.match_prefix(ids, touch=False, n=n)   # the tree's slots for the shared part
+            slots, node = tree.match_prefix(self._seq(req, n, more), touch=False, n=n)   # the tree's slots for the shared part
             assert len(slots) == n
             self.pool.free(self.pool.pages_of(req.slots, e.cached_len, existing))
             req.slots[e.cached_len:existing] = slots[e.cached_len:existing]
@@ -263,6 +277,31 @@ class KVManager:
             tree.dec_lock_ref(e.node)
         e.node = node
         e.cached_len = n
+
+    # ------------------------------------------------------------------ decode caching (vLLM's full blocks)
+    def next_cache_at(self, cached_len: int) -> int:
+        """The computed length at which a decoding request whose cache ends at cached_len
+        caches again: the first page boundary at or past the next whole DECODE_CACHE_BLOCK."""
+        p = self.page_size
+        t = (cached_len // DECODE_CACHE_BLOCK + 1) * DECODE_CACHE_BLOCK
+        return -(-t // p) * p
+
+    def cache_decoded(self, e: Entry) -> None:
+        """vLLM caches a running request's blocks as they fill: when e's computed length has
+        crossed a whole DECODE_CACHE_BLOCK past what it cached, its sequence so far (prompt
+        and the answer's computed tokens, never a rejected draft: num_computed counts only
+        accepted ones) goes into the prefix cache, so a request sharing it hits it and the
+        KV events announce it while e still runs. Runs after e's tokens are accepted."""
+        if e.req.num_computed >= self.next_cache_at(e.cached_len) and self._cached(e.req):
+            self.cache_prefilled(e)
+
+    def cache_may_share(self, e: Entry, shared: set) -> bool:
+        """Whether e's next decode insert might find its tokens in the tree already (another
+        request's continuation below its cached end, or another running request with the same
+        cached end: `shared` holds the ids of such nodes), and so swap slots and free pages:
+        the fast path ends its window by then (fast_path.py)."""
+        nd = e.node
+        return self._cached(e.req) and (nd is None or bool(nd.children) or id(nd) in shared)
 
     # ------------------------------------------------------------------ decode growth
     def decode_pages(self, e: Entry, k: int = 1) -> int:

@@ -416,6 +416,7 @@ class Scheduler:
         entries = self.queues.entries
         RUNNING = RequestState.RUNNING
         drafts = result.drafts
+        cache_decoded = self.kv.cache_decoded if self.kv.tree is not None else None
         for seq in batch.seqs:
             e = entries.get(seq.req_id)
             if e is None or e.req.state is not RUNNING:
@@ -440,6 +441,8 @@ class Scheduler:
                 self.spec.settle(e, seq, kept)
             lps = result.logprobs.get(seq.req_id, []) if result.logprobs else []
             outs.append(self._accept(e, toks, lps, now))
+            if cache_decoded is not None and req.state is RUNNING:
+                cache_decoded(e)     # its full blocks so far, as vLLM caches them (kv_manager.py)
             if result.prompt_logprobs and seq.req_id in result.prompt_logprobs:
                 outs[-1].prompt_logprobs = result.prompt_logprobs[seq.req_id]
         return outs
@@ -520,11 +523,40 @@ class Scheduler:
         st.begin_step()
         st.last_decode_seqs = len(running)
         self._note_peak()
+        kv = self.kv
+        if kv.tree is not None:
+            self._cache_window(running, k, tokens)
         outs = []
+        RUNNING = RequestState.RUNNING
         for e in list(running):    # on_step's order: tokens, then the end of a request that stops
             e.req.num_computed += k
             outs.append(self._accept(e, tokens[e.req.req_id], [], now, last_only=True))
+            if kv.tree is not None and e.req.state is RUNNING:
+                kv.cache_decoded(e)      # the k-th step's insert, where on_step makes it
         return outs
+
+    def _cache_window(self, running: list[Entry], k: int, tokens: dict[str, list[int]]) -> None:
+        """The decode-block inserts (KVManager.cache_decoded) that steps 1..k-1 of a fast-forward
+        window make, in the order stepping makes them (step by step, batch order): the tree's
+        LRU ticks, nodes and locks come out the same. The horizon ends a window at the first
+        insert that might share slots with the tree (KVManager.cache_may_share), so no page
+        is freed before the window's last step."""
+        kv = self.kv
+        due = []
+        for i, e in enumerate(running):
+            nc0 = e.req.num_computed
+            at = kv.next_cache_at(e.cached_len)
+            if at <= nc0:
+                continue     # a request the cache does not take (a LoRA one): on_step caches none either
+            while at < nc0 + k:
+                due.append((at - nc0, i, at))
+                at = kv.next_cache_at(at)
+        if not due:
+            return
+        due.sort()
+        for t, i, at in due:
+            e = running[i]
+            kv.cache_prefilled(e, at, tokens[e.req.req_id][:t - 1])
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> SchedulerSnapshot:
