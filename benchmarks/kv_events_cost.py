@@ -1,6 +1,7 @@
 """What publishing KV events costs a served replica: 64 streams, events on vs off.
 
     python benchmarks/kv_events_cost.py [--rounds 3] [--requests 192] [--docs]
+    python benchmarks/kv_events_cost.py --against DIR [--rounds 4] [--requests 128]
 
 Two `shepherd serve` processes of the default model (SmolLM2-135M, torch executor,
 the same flags) run side by side; one publishes its KV events
@@ -11,6 +12,11 @@ in flight (max_tokens 128, ignore_eos) against one server at a time, in rounds
 ordered off-on, on-off, off-on, ... (a drift of the machine over a round pair
 falls on both); the figures are the median served tok/s of each, their ratio,
 and each round's own on/off ratio with the median and range of those. Writes the table into docs/ROUTING.md (<!-- kv-events-cost -->) with --docs.
+
+--against DIR compares two trees instead, both publishing: the "off" server runs the
+shepherd package found in DIR (an unpacked earlier commit: PYTHONPATH=DIR) with events
+on, the "on" server this tree's, for a before/after of an engine change at 64 streams
+(--docs is refused with it).
 """
 from __future__ import annotations
 
@@ -42,7 +48,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default=str(ROOT / "out" / "kv_events_cost"))
     ap.add_argument("--docs", action="store_true")
+    ap.add_argument("--against", default=None, help="a tree whose shepherd runs as the baseline, events on")
     a = ap.parse_args()
+    if a.against and a.docs:
+        ap.error("--against writes no docs table")
     from shepherd.kv_events.index import KVBlockIndex
     from shepherd.kv_events.subscriber import KVEventSubscriber, Source
     out = Path(a.out)
@@ -51,9 +60,17 @@ def main() -> None:
     events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
                          "replay_endpoint": f"tcp://*:{rep}"})
     ports = {"off": free_port(), "on": free_port()}
-    servers = {k: Server(k, [([py, "-m", "shepherd", "serve", "--port", p, "--served-model-name", NAME,
-                              *(["--kv-events-config", events] if k == "on" else [])], {})], p, out / k)
+    base = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}",
+                       "replay_endpoint": f"tcp://*:{free_port()}"})
+    env = {"off": {"PYTHONPATH": str(Path(a.against).resolve())} if a.against else {}, "on": {}}
+    flags = {"off": ["--kv-events-config", base] if a.against else [], "on": ["--kv-events-config", events]}
+    # -P: the server's working directory is this tree; without it `-m` would import this tree's shepherd
+    pre = {"off": ["-P"] if a.against else [], "on": []}
+    servers = {k: Server(k, [([py, *pre[k], "-m", "shepherd", "serve", "--port", p, "--served-model-name", NAME, *flags[k]],
+                              env[k])], p, out / k)
                for k, p in ports.items()}
+    if a.against:
+        print(f"off = {a.against} with events on; on = this tree with events on", flush=True)
     index = KVBlockIndex()
     sub = KVEventSubscriber(index, [Source("on", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}")])
     got: dict = {"off": [], "on": []}
