@@ -3,7 +3,8 @@ files, and loading/unloading over HTTP while serving.
 
 The adapters are built inside the test with peft on transformers' own copy of the default
 model (random weights, saved as PEFT folders): nothing is downloaded. The reference is PEFT's
-forward in float32, where shepherd's greedy tokens must be identical."""
+forward in float32, where shepherd's greedy tokens must be identical; in bfloat16 each token's
+logprob must be within LP_TOL of it (mean over an adapter's tokens)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.model
 
 NEW = 12
 TOP = 5
+LP_TOL = 0.12       # nats: mean |logprob - PEFT's float32 logprob| per adapter, bfloat16 (test_bf16_logprobs_close_to_peft)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -39,20 +41,36 @@ def hf_greedy(model, prompt, n):
     return toks
 
 
+def hf_logprobs(model, ids):
+    """float32 log p(ids[p] | ids[:p]) for p = 1.., from one teacher-forced forward."""
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [float(lp[p - 1, t]) for p, t in enumerate(ids) if p > 0]
+
+
 @pytest.fixture(scope="module")
-def adapters(default_model_path, tmp_path_factory):
-    """Two PEFT adapters with random weights (a1: every projection, rank 8; a2: q/v/down, rank 4,
-    rsLoRA, another alpha for down_proj) and PEFT's float32 greedy tokens for them and the base."""
+def hf_base(default_model_path):
+    """transformers' float32 copy of the default model (PEFT wraps it and unloads again)."""
     transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(default_model_path, hf_base, tmp_path_factory):
+    """Two PEFT adapters with random weights (a1: every projection, rank 8; a2: q/v/down, rank 4,
+    rsLoRA, another alpha for down_proj), PEFT's float32 greedy tokens for them and the base, and
+    ref_lps[(model, a)]: PEFT's float32 logprob of every token after the first of each prompt
+    followed by adapter a's greedy tokens, under the adapter a (model a) and the base (None)."""
     peft = pytest.importorskip("peft")
     from shepherd.model.loader import load_tokenizer
     tok = load_tokenizer(default_model_path)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path), dtype=torch.float32)
-    model.eval()
+    model = hf_base
     root = tmp_path_factory.mktemp("adapters")
     refs = {None: [hf_greedy(model, p, NEW) for p in prompts]}
+    ref_lps = {}
     specs = {"a1": dict(r=8, lora_alpha=16, target_modules=ALL),
              "a2": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
                         alpha_pattern={"down_proj": 2})}
@@ -68,9 +86,41 @@ def adapters(default_model_path, tmp_path_factory):
         paths[name] = str(root / name)
         pm.save_pretrained(paths[name])
         refs[name] = [hf_greedy(pm, p, NEW) for p in prompts]
+        ref_lps[(name, name)] = [hf_logprobs(pm, p + t) for p, t in zip(prompts, refs[name])]
         model = pm.unload()
+        ref_lps[(None, name)] = [hf_logprobs(model, p + t) for p, t in zip(prompts, refs[name])]
     assert refs["a1"] != refs[None] and refs["a2"] != refs[None] and refs["a1"] != refs["a2"]
-    return prompts, paths, refs
+    assert model is hf_base and not any("lora" in n for n, _ in model.named_parameters())
+    return prompts, paths, refs, ref_lps
+
+
+@pytest.fixture(scope="module")
+def scaled_adapter(hf_base, adapters, tmp_path_factory):
+    """a3: rank 2, lora_alpha 16 on every projection, so its scale (alpha / r = 8) is most of what
+    it does; its folder and PEFT's float32 logprobs, with and without it, over each prompt + the
+    base's greedy tokens."""
+    peft = pytest.importorskip("peft")
+    prompts, _, refs, _ = adapters
+    seqs = [p + t for p, t in zip(prompts, refs[None])]
+    torch.manual_seed(2)
+    pm = peft.get_peft_model(hf_base, peft.LoraConfig(init_lora_weights=False, r=2, lora_alpha=16, target_modules=ALL))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.2)
+    pm.eval()
+    path = str(tmp_path_factory.mktemp("scaled") / "a3")
+    pm.save_pretrained(path)
+    with_a3 = [hf_logprobs(pm, ids) for ids in seqs]
+    pm.unload()
+    return path, seqs, with_a3, [hf_logprobs(hf_base, ids) for ids in seqs]
+
+
+@pytest.fixture(scope="module")
+def bf16_executor(default_model_path, adapters):
+    """One bfloat16 executor with a1 and a2 registered, for the bf16 tests (each finishes its
+    requests; a build costs seconds)."""
+    return executor(default_model_path, "bfloat16", adapters[1])
 
 
 def executor(model_path, dtype, paths, max_loras=2):
@@ -119,10 +169,31 @@ def greedy(ex, jobs, n, chunk=None, step0=0):
     return [(r.output_ids, lps[r.req_id]) for r in reqs]
 
 
+def mean_abs(got, ref):
+    """Mean |a - b| over every token of every sequence."""
+    d = [abs(x - y) for g, r in zip(got, ref) for x, y in zip(g, r, strict=True)]
+    return sum(d) / len(d)
+
+
+def scored(ex, jobs, step0):
+    """Each (adapter, token ids) job's logprob of every token after the first, teacher-forced in
+    one prefill step (the jobs side by side, each adapter loaded in a slot): prompt_logprobs."""
+    names = sorted({a for a, _ in jobs if a is not None})
+    seqs, slot0 = [], 0
+    for i, (a, ids) in enumerate(jobs):
+        rid = f"s{step0}-{i}"
+        ex.add(NewRequest(rid, list(ids), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), (), a))
+        seqs.append(ScheduledSeq(rid, list(ids), 0, True, 0, list(range(slot0, slot0 + len(ids)))))
+        slot0 += len(ids)
+    res = ex.execute(ScheduledBatch(step=step0, seqs=seqs, lora_loads=[LoraLoad(i, a) for i, a in enumerate(names)]))
+    ex.execute(ScheduledBatch(step=step0 + 1, finished=[s.req_id for s in seqs]))
+    return [[lp.logprob for lp in res.prompt_logprobs[s.req_id][1:]] for s in seqs]
+
+
 def test_peft_parity_float32(default_model_path, adapters):
     """Greedy tokens identical to PEFT's float32 forward, for each adapter and the base, alone
     and with every adapter and the base in one batch (chunked prefill too)."""
-    prompts, paths, refs = adapters
+    prompts, paths, refs, _ = adapters
     ex = executor(default_model_path, "float32", paths)
     for k, a in enumerate((None, "a1", "a2")):
         assert greedy(ex, [(a, prompts[k])], NEW, step0=10 * k)[0][0] == refs[a][k], f"adapter {a} alone"
@@ -132,26 +203,55 @@ def test_peft_parity_float32(default_model_path, adapters):
         assert toks == refs[a][prompts.index(p)], f"batched adapter {a}"
 
 
-def test_bf16_close_to_peft(default_model_path, adapters):
+def test_bf16_close_to_peft(bf16_executor, adapters):
     """bfloat16 (the fused kernels' LoRA inside forward_bf16): greedy tokens equal PEFT's float32
     ones, or at the first divergence each side's token is among the other's top-5 (bf16's
-    tolerance, as tests/test_model_parity.py checks the base model)."""
-    prompts, paths, refs = adapters
-    ex = executor(default_model_path, "bfloat16", paths)
+    tolerance, as tests/test_model_parity.py checks the base model); until then the decode rows'
+    logprobs are within LP_TOL of PEFT's (mean |difference|)."""
+    prompts, _, refs, ref_lps = adapters
+    ex = bf16_executor
     for a in ("a1", "a2"):
-        got = greedy(ex, [(a, p) for p in prompts], NEW)
+        got = greedy(ex, [(a, p) for p in prompts], NEW, step0=300 if a == "a1" else 400)
+        same, ref = [], []      # decode rows' logprobs of the tokens before the first divergence
         for i, (toks, lps) in enumerate(got):
             for k, (x, y) in enumerate(zip(refs[a][i], toks)):
                 if x != y:
                     assert x in [t for t, _ in lps[k][1]], f"{a} prompt {i} step {k}"
                     break
+                same.append(lps[k][0])
+                ref.append(ref_lps[(a, a)][i][len(prompts[i]) - 1 + k])
+        assert mean_abs([same], [ref]) <= LP_TOL, (a, same, ref)
 
 
-def test_batch_invariance_across_adapters(default_model_path, adapters):
+def test_bf16_logprobs_close_to_peft(bf16_executor, adapters, scaled_adapter):
+    """bfloat16 with an adapter: each token's logprob, teacher-forced (prompt + greedy answer, one
+    prefill step), against PEFT's float32 forward of the same adapter: the mean |difference| over
+    each adapter's ~140 tokens is within LP_TOL nats (measured on the Intel Xeon model 207, no
+    avx512_bf16: a1 0.050, a2 0.071, a3 0.061). A wrong adapter is 4x-20x further (swapped a1/a2:
+    0.39/0.41; the base instead of a3: 1.06; a missing alpha/r scale: a1 0.15, a2 0.31, a3 1.05):
+    the swaps are checked here, the scale was broken once by hand (see the commit)."""
+    prompts, _, refs, ref_lps = adapters
+    seqs = {a: [p + t for p, t in zip(prompts, refs[a])] for a in ("a1", "a2")}
+    variants = [("a1", "a1"), ("a1", "a2"), ("a2", "a2"), ("a2", "a1")]     # (whose answer, adapter served)
+    got = scored(bf16_executor, [(served, ids) for a, served in variants for ids in seqs[a]], step0=500)
+    err = {v: mean_abs(got[3 * i: 3 * i + 3], ref_lps[(v[0], v[0])]) for i, v in enumerate(variants)}
+    path, s3, with_a3, _ = scaled_adapter
+    bf16_executor.register_lora("a3", path)
+    try:
+        got = scored(bf16_executor, [("a3", ids) for ids in s3] + [(None, ids) for ids in s3], step0=600)
+    finally:
+        bf16_executor.unregister_lora("a3")
+    err["a3", "a3"], err["a3", None] = mean_abs(got[:3], with_a3), mean_abs(got[3:], with_a3)
+    shown = ", ".join(f"{a}'s answer served with {b}: {e:.3f}" for (a, b), e in err.items())
+    assert all(err[a, a] <= LP_TOL for a in ("a1", "a2", "a3")), shown
+    assert all(err[v] > 2 * LP_TOL for v in (("a1", "a2"), ("a2", "a1"), ("a3", None))), shown
+
+
+def test_batch_invariance_across_adapters(bf16_executor, adapters):
     """A request's tokens and logprobs are bit-identical alone and beside requests of the other
     adapter, of the same adapter and of the base model, in one step (bfloat16, the default)."""
-    prompts, paths, _ = adapters
-    ex = executor(default_model_path, "bfloat16", paths)
+    prompts = adapters[0]
+    ex = bf16_executor
     alone = [greedy(ex, [(a, prompts[1])], NEW, step0=10 * k)[0] for k, a in enumerate(("a1", "a2", None))]
     crowd = [(None, prompts[0]), ("a2", prompts[2]), ("a1", prompts[1]), ("a1", prompts[0]),
              ("a2", prompts[1]), (None, prompts[1]), ("a2", prompts[0])]
@@ -234,7 +334,7 @@ def test_bad_adapter_files_are_named(bad_adapters):
 def server(default_model_path, adapters):
     from shepherd.engine.engine import Engine
     from test_server_api import ServerThread
-    _, paths, _ = adapters
+    _, paths, _, _ = adapters
     engine = Engine(EngineConfig(model=default_model_path, max_total_tokens=4096, watchdog_timeout=120,
                                  scheduler=SchedulerConfig(max_loras=2),
                                  lora=LoraConfig(modules={"a1": paths["a1"]})))
@@ -249,7 +349,7 @@ def _complete(c, model, prompt_ids, n=NEW):
 
 
 def test_load_select_unload_over_http(server, adapters, bad_adapters):
-    prompts, paths, refs = adapters
+    prompts, paths, refs, _ = adapters
     cases, _ = bad_adapters
     with httpx.Client(base_url=server.url, timeout=60) as c:
         models = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
