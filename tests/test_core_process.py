@@ -203,3 +203,37 @@ def test_stopped_core_is_killed_and_its_requests_fail():
 
     pid = asyncio.run(asyncio.wait_for(main(), 60))
     assert not pid_alive(pid)
+
+
+def test_large_messages_to_a_busy_core_under_uvloop():
+    """uvloop's add_reader makes the pipe non-blocking; requests worth more than the socket buffer,
+    sent while the core does not read (stopped here for 0.5 s, as a long step would), must wait for
+    it, not fail part-way and declare a live core dead."""
+    import asyncio
+    import threading
+
+    import uvloop
+
+    from shepherd.request import SamplingParams
+
+    engine = CoreProcessEngine(EngineConfig(executor="sim", max_total_tokens=8192), log_level="warning")
+
+    async def main():
+        await engine.start()
+        try:
+            os.kill(engine.pid, signal.SIGSTOP)
+            threading.Timer(0.5, os.kill, (engine.pid, signal.SIGCONT)).start()
+            prompts = [[1 + (i * 7 + j) % 900 for j in range(2000)] for i in range(60)]    # ~0.5 MB pickled
+
+            async def one(p):
+                outs = [o async for o in engine.submit(p, SamplingParams(max_tokens=2))]
+                return outs[-1]
+            last = await asyncio.gather(*(one(p) for p in prompts))
+            assert all(o.finished and not o.error for o in last), [o.error for o in last if o.error][:1]
+            assert engine.alive
+        finally:
+            await engine.stop()
+    try:
+        uvloop.run(main())
+    finally:
+        engine.close()

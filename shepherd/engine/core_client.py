@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -95,6 +96,12 @@ class CoreProcessEngine(EngineFront):
                     "engine core pid %d", self.kv_capacity, self.host_kv_capacity, self.max_model_len,
                     self.model_name, self.cfg.executor, self.proc.pid)
         self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        # uvloop's add_reader (libuv's uv_poll) makes the fd non-blocking, and Connection.send/recv
+        # then fail part-way through a message larger than the socket buffer (BlockingIOError):
+        # ten 130 KB json_schema requests sent while the core was in a step made the server
+        # declare a live core dead ("engine core process died: still running"). Blocking, a
+        # large send waits until the core reads it, between two of its steps.
+        os.set_blocking(self._conn.fileno(), True)
         self._running = True
         self._loop.call_later(1.0, self._check_hang)
 

@@ -102,6 +102,7 @@ class GrammarCheck:
         conn = self._conn
         ready = loop.create_future()
         loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
+        os.set_blocking(conn.fileno(), True)    # uvloop made it non-blocking (engine/core_client.py)
         try:
             await asyncio.wait_for(ready, timeout)
         except asyncio.TimeoutError:
