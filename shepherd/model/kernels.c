@@ -185,11 +185,19 @@ static inline int64_t vquant_f32(const float *x, int8_t *q, float sc, int64_t n)
 #include "kernels_body.h"
 
 /* ---------------------------------------------------------------- attention entry points
- * bf16 with head_dim a multiple of 32 on an AVX512-BF16 CPU: q.k by vdpbf16ps (bf16 pairs,
- * float32 sums), sixteen keys' dot products reduced together by one fixed shuffle tree,
- * P.V in float32. Same structure as attention_ref (per row and kv head, keys in order), so a
- * row's bits still depend only on its own q and keys. Elsewhere: attention_ref. */
+ * bf16 with head_dim a multiple of 32 on an AVX-512 CPU: q.k as sixteen float32 partial sums a
+ * key, by vdpbf16ps (bf16 pairs) on an AVX512-BF16 CPU, elsewhere by float32 FMAs on q and the K
+ * row widened in registers (the even and odd bf16 of each dword, as bf16_block_fma: exact
+ * products, one rounding per FMA); sixteen keys' dot products reduced together by one fixed
+ * shuffle tree, P.V in float32. Same structure as attention_ref (per row and kv head, keys in
+ * order), so a row's bits still depend only on its own q and keys. Elsewhere: attention_ref.
+ * The q.k form is fixed by the build (ATT_DP), not by the row count or the thread count. */
+#if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
+#define ATT_DP 1
+#else
+#define ATT_DP 0    /* AVX-512F without bf16 dot products (e.g. the Intel Xeon model 207 we run on) */
+#endif
 /* sums of the 16 lanes of each of v[0..16), returned as lanes 0..15 */
 static inline __m512 hsum16(const __m512 *v) {
     __m512 q4[4];
@@ -208,19 +216,33 @@ static inline __m512 hsum16(const __m512 *v) {
 #define PF 32          /* keys fetched ahead in the attention loops */
 #define AMAXC 8             /* head_dim / 32 */
 /* One (row, kv head) item. G and C are literals at the call sites below, so the per-key loops
- * over query heads and 32-wide chunks unroll and `part` / `qv` / `acc` stay in registers. */
+ * over query heads and 32-wide chunks unroll and `part` / `qv` / `acc` stay in registers.
+ * DP (ATT_DP, a literal): 1 q.k by vdpbf16ps, 0 by float32 FMAs. */
 static inline __attribute__((always_inline)) void attention_item_bf16(
-        int64_t item, const int64_t G, const int64_t C, float *sc, int64_t npad,
+        int64_t item, const int DP, const int64_t G, const int64_t C, float *sc, int64_t npad,
         const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1, uint16_t *out,
         int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab, const int64_t *off,
         const int64_t *ctx, float scale) {
     int64_t r = item / KVH, kh = item % KVH, n = ctx[r];
     const int64_t *sl = slot_tab + off[r];
     const uint16_t *Kb = pool + kh * cap1 * hd, *Vb = pool + (KVH + kh) * cap1 * hd;
+#if defined(__AVX512BF16__)
     __m512bh qv[AMAXG][AMAXC];
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t c = 0; c < C; c++)
-            qv[g][c] = (__m512bh)_mm512_loadu_si512(q + r * q_stride + (kh * G + g) * hd + 32 * c);
+    if (DP)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < C; c++)
+                qv[g][c] = (__m512bh)_mm512_loadu_si512(q + r * q_stride + (kh * G + g) * hd + 32 * c);
+#endif
+    /* the FMA form's q: each 32-wide chunk as its even and odd elements in float32 (exact) */
+    const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 qe[AMAXG][AMAXC], qo[AMAXG][AMAXC];
+    if (!DP)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < C; c++) {
+                __m512i v = _mm512_loadu_si512(q + r * q_stride + (kh * G + g) * hd + 32 * c);
+                qe[g][c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                qo[g][c] = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+            }
     for (int64_t a = 0; a < PF && a < n; a++) {     /* this item's first V rows */
         const char *nv = (const char *)(Vb + sl[a] * hd);
         for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T1);
@@ -242,11 +264,32 @@ static inline __attribute__((always_inline)) void attention_item_bf16(
                     const char *nv = (const char *)(Vb + sl[j0 + t + PF] * hd);
                     for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T1);
                 }
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 a = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < C; c++)
-                        a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-                    part[g][t] = a;
+#if defined(__AVX512BF16__)
+                if (DP) {
+                    for (int64_t g = 0; g < G; g++) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int64_t c = 0; c < C; c++)
+                            a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+                        part[g][t] = a;
+                    }
+                } else
+#endif
+                {   /* the K row widened once, shared by the G query heads; per lane one FMA chain
+                     * over the chunks in order: even element, then odd */
+                    __m512 ke[AMAXC], ko[AMAXC];
+                    for (int64_t c = 0; c < C; c++) {
+                        __m512i v = _mm512_loadu_si512(k + 32 * c);
+                        ke[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                        ko[c] = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+                    }
+                    for (int64_t g = 0; g < G; g++) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int64_t c = 0; c < C; c++) {
+                            a = _mm512_fmadd_ps(qe[g][c], ke[c], a);
+                            a = _mm512_fmadd_ps(qo[g][c], ko[c], a);
+                        }
+                        part[g][t] = a;
+                    }
                 }
             } else {
                 for (int64_t g = 0; g < G; g++) part[g][t] = _mm512_setzero_ps();
@@ -317,7 +360,7 @@ static void attention_items_bf16(float *sc, int64_t npad, const uint16_t *q, int
     const int64_t G = H / KVH, C = hd / 32;
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < rows * KVH; item++) {
-#define ATT_ITEM(g, c) attention_item_bf16(item, g, c, sc, npad, q, q_stride, pool, cap1, out, rows, H, KVH, \
+#define ATT_ITEM(g, c) attention_item_bf16(item, ATT_DP, g, c, sc, npad, q, q_stride, pool, cap1, out, rows, H, KVH, \
                                            hd, slot_tab, off, ctx, scale)
         /* the shapes of the models we serve (SmolLM2-135M: 3 x 64; Llama-3: 4 x 128), then any */
         if (G == 3 && C == 2) ATT_ITEM(3, 2);
@@ -346,7 +389,7 @@ static void attention_vec_bf16(const uint16_t *q, int64_t q_stride, const uint16
 KERNEL(void, attention_bf16, const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t cap1, uint16_t *out,
                              int64_t rows, int64_t H, int64_t KVH, int64_t hd, const int64_t *slot_tab,
                              const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     if (hd % 32 == 0 && hd / 32 <= AMAXC && H / KVH <= AMAXG && max_ctx > 0) {
         attention_vec_bf16(q, q_stride, pool, cap1, out, rows, H, KVH, hd, slot_tab, off, ctx, max_ctx, scale);
         return;
@@ -746,14 +789,14 @@ KERNEL(void, bf16_mm, const uint16_t *x, int64_t rows, int64_t K, const uint16_t
  * On entry h = rmsnorm(x) * ln1 of layer 0; on return x is the residual stream after the last
  * layer (h, qkv, att, gu, act, tmp: scratch of M rows; xf: M * max(K) floats, FMA form only). */
 KERNEL(int, forward_bf16_supports, int64_t H, int64_t KVH, int64_t hd) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     return hd % 32 == 0 && hd / 32 <= AMAXC && H % KVH == 0 && H / KVH <= AMAXG;
 #else
     return 0;
 #endif
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)   /* dp form where the CPU has AVX512-BF16, else the FMA form (kernels.py) */
 #define PTR(t, v) ((t)(intptr_t)(v))
 static inline void mm_in_region(const uint16_t *x, float *xf, int64_t M, int64_t K, int64_t w, int64_t N,
                                 int64_t bias, uint16_t *y, int dp) {
@@ -768,6 +811,9 @@ KERNEL(void, forward_bf16, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *
        const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, float eps, int dp,
        const int64_t *lora, int64_t lora_slots, const int64_t *lrows, const int64_t *litems, const int64_t *lslot,
        int64_t nitems) {
+#if !defined(__AVX512BF16__)
+    dp = 0;   /* as bf16_mm: there is no dp form in this build */
+#endif
     const int64_t W = (H + 2 * KVH) * hd, npad = (max_ctx + 15) / 16 * 16;
     /* lora (NULL: no row of the step has an adapter): the records, [L][LL_N][lora_slots][LR_N];
      * each linear's update is added to its output before the op that reads it */
