@@ -93,51 +93,51 @@ def two_replicas():
         r.stop()
 
 
-def test_replicas_publish_what_they_cache_and_what_they_evict(two_replicas):
+@pytest.fixture
+def indexed(two_replicas):
+    """The two replicas, shepherd's own index of their blocks and the KVEventSubscriber (the
+    gateway's) feeding it from both streams; closed before the replicas stop."""
     a, b = two_replicas
+    index = KVBlockIndex()
+    sub = KVEventSubscriber(index, [a.source, b.source], replay_timeout=5.0)
+    sub.start()
+    yield a, b, index, sub
+    sub.close()
+
+
+def test_replicas_publish_what_they_cache_and_what_they_evict(indexed):
+    a, b, index, sub = indexed
     m = httpx.get(a.url + "/metrics").text
     assert 'vllm:cache_config_info{' in m and 'block_size="16"' in m and 'num_gpu_blocks="32"' in m
-    index = KVBlockIndex()
-    sub = KVEventSubscriber(index, [a.source, b.source], replay_timeout=5.0)
-    sub.start()
-    try:
-        p = list(range(1000, 1100))                 # 100 tokens: 6 full blocks
-        a.serve(p)
-        wait_until(lambda: index.match(chain_hashes(p), [a.url, b.url]) == {a.url: 6}, what="A's 6 blocks")
-        # a second prompt shares p's first 50 tokens; then unrelated prompts fill A's 512-token cache:
-        # the least recently used leaf goes first, p's own tail, a node that ends block 5 but starts
-        # inside block 3 (a partial node): p keeps the 3 blocks of the shared 50 tokens
-        a.serve(p[:50] + list(range(7000, 7100)))
-        for k in range(2):
-            a.serve(list(range(20000 + 1000 * k, 20000 + 1000 * k + 160)))
-        wait_until(lambda: index.match(chain_hashes(p), [a.url]).get(a.url) == 3, what="the eviction")
-        assert sub.status()[a.url]["state"] == "complete" and sub.status()[a.url]["drops"] == 0
-    finally:
-        sub.close()
+    p = list(range(1000, 1100))                 # 100 tokens: 6 full blocks
+    a.serve(p)
+    wait_until(lambda: index.match(chain_hashes(p), [a.url, b.url]) == {a.url: 6}, what="A's 6 blocks")
+    # a second prompt shares p's first 50 tokens; then unrelated prompts fill A's 512-token cache:
+    # the least recently used leaf goes first, p's own tail, a node that ends block 5 but starts
+    # inside block 3 (a partial node): p keeps the 3 blocks of the shared 50 tokens
+    a.serve(p[:50] + list(range(7000, 7100)))
+    for k in range(2):
+        a.serve(list(range(20000 + 1000 * k, 20000 + 1000 * k + 160)))
+    wait_until(lambda: index.match(chain_hashes(p), [a.url]).get(a.url) == 3, what="the eviction")
+    assert sub.status()[a.url]["state"] == "complete" and sub.status()[a.url]["drops"] == 0
 
 
-def test_reset_prefix_cache_over_http_empties_the_cache_and_the_gateway_index(two_replicas):
-    a, b = two_replicas
-    index = KVBlockIndex()
-    sub = KVEventSubscriber(index, [a.source, b.source], replay_timeout=5.0)
-    sub.start()
-    try:
-        p = list(range(1000, 1100))                 # 100 tokens: 6 full blocks
-        a.serve(p)
-        b.serve(p)
-        wait_until(lambda: index.match(chain_hashes(p), [a.url, b.url]) == {a.url: 6, b.url: 6}, what="6 blocks each")
-        assert httpx.post(a.url + "/reset_prefix_cache", params={"reset_running_requests": True}).status_code == 400
-        r = httpx.post(a.url + "/reset_prefix_cache", timeout=30)
-        assert r.status_code == 200, r.text
-        wait_until(lambda: index.blocks(a.url) == 0, what="A's blocks dropped")
-        assert index.match(chain_hashes(p), [a.url, b.url]) == {b.url: 6}      # B untouched
-        assert sub.status()[a.url]["state"] == "complete" and sub.status()[a.url]["drops"] == 0
-        # the replica's own cache is empty too: the same prompt is computed again, then cached again
-        assert a.serve(p)["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
-        assert b.serve(p)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
-        wait_until(lambda: index.match(chain_hashes(p), [a.url]) == {a.url: 6}, what="A's blocks again")
-    finally:
-        sub.close()
+def test_reset_prefix_cache_over_http_empties_the_cache_and_the_gateway_index(indexed):
+    a, b, index, sub = indexed
+    p = list(range(1000, 1100))                 # 100 tokens: 6 full blocks
+    a.serve(p)
+    b.serve(p)
+    wait_until(lambda: index.match(chain_hashes(p), [a.url, b.url]) == {a.url: 6, b.url: 6}, what="6 blocks each")
+    assert httpx.post(a.url + "/reset_prefix_cache", params={"reset_running_requests": True}).status_code == 400
+    r = httpx.post(a.url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    wait_until(lambda: index.blocks(a.url) == 0, what="A's blocks dropped")
+    assert index.match(chain_hashes(p), [a.url, b.url]) == {b.url: 6}      # B untouched
+    assert sub.status()[a.url]["state"] == "complete" and sub.status()[a.url]["drops"] == 0
+    # the replica's own cache is empty too: the same prompt is computed again, then cached again
+    assert a.serve(p)["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
+    assert b.serve(p)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    wait_until(lambda: index.match(chain_hashes(p), [a.url]) == {a.url: 6}, what="A's blocks again")
 
 
 def _dynamo():

@@ -10,9 +10,11 @@ Every wait is on a condition with a deadline (`wait_until`); every request has a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import time
+from typing import Optional
 
 import httpx
 import pytest
@@ -86,27 +88,38 @@ class Env:
         return sum(v for _, v in self.samples(name))
 
 
-@pytest.fixture(scope="module")
-def env():
+@contextlib.contextmanager
+def serve_cluster(workers: int = 0, head: Optional[dict] = None, worker: Optional[dict] = None, **serve_start):
+    """A local Ray cluster (a head node of 2 CPUs and `workers` nodes of 2) on ports picked here,
+    never Ray's defaults (other jobs on this machine may use them), with Serve's HTTP proxy on a
+    free port: yields an Env. Serve, Ray and the cluster are shut down after, in that order, each
+    even when what came before it failed."""
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    with contextlib.ExitStack() as down:        # callbacks run last-in first-out, all of them
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=2, gcs_server_port=free_port(), include_dashboard=False, dashboard_port=free_port(),
+            ray_client_server_port=free_port(), object_store_memory=80 << 20, **(head or {})))
+        down.callback(cluster.shutdown)
+        nodes = [cluster.add_node(num_cpus=2, object_store_memory=80 << 20, **(worker or {})) for _ in range(workers)]
+        ray.init(address=cluster.address, log_to_driver=False)
+        down.callback(ray.shutdown)
+        port = free_port()
+        down.callback(serve.shutdown)
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, **serve_start)
+        yield Env(cluster, nodes, f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def env():
     from shepherd.deploy.ray_ingress import IngressConfig
     from shepherd.deploy.ray_serve import RayServeOptions
 
-    # ports picked here, never Ray's defaults (other jobs on this machine may use them)
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=2, gcs_server_port=free_port(), include_dashboard=False, dashboard_port=free_port(),
-        ray_client_server_port=free_port(), object_store_memory=80 << 20, resources={"shepherd_ingress": 1},
-        _system_config={"health_check_period_ms": 500, "health_check_failure_threshold": 3,
-                        "health_check_initial_delay_ms": 0}))
-    workers = [cluster.add_node(num_cpus=2, resources={"shepherd_replica": 2}, object_store_memory=80 << 20)
-               for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        e = Env(cluster, workers, f"http://127.0.0.1:{port}")
+    with serve_cluster(workers=2, head=dict(resources={"shepherd_ingress": 1}, _system_config={
+                           "health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                           "health_check_initial_delay_ms": 0}),
+                       worker=dict(resources={"shepherd_replica": 2}), proxy_location="HeadOnly") as e:
         deploy(e, APP, RayServeOptions(
             replicas=2, num_cpus_per_replica=0.5, replica_resources={"shepherd_replica": 1}, router="precise-prefix",
             ingress_resources=INGRESS_ON_HEAD,
@@ -114,12 +127,6 @@ def env():
             ingress=IngressConfig(read_timeout=30.0)))
         wait_until(lambda: len(e.replicas()) == 2, 60, "the ingress to see both replicas")
         yield e
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
 
 
 def deploy(env: Env, name: str, opts, serve_args: list = SERVE_ARGS) -> None:

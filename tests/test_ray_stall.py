@@ -1,7 +1,7 @@
 """Issue 31 item 9 through Ray Serve: the stall test and the 5xx property test, sent to shepherd's
 Ray Serve ingress (ray_ingress.py) instead of a replica or a gateway.
 
-One local Ray node (ray.cluster_utils.Cluster on free ports, as test_ray_serve.py starts it) runs
+One local Ray node (test_ray_serve.serve_cluster: ray.cluster_utils.Cluster on free ports) runs
 Serve's proxy, the ingress and one shepherd replica: a real engine with its engine-core process,
 the simulated executor, the real tokenizer and shepherd's own HTTP app, with the flags of
 test_stall.py's replicas. Through the ingress:
@@ -26,7 +26,7 @@ import pytest
 ray = pytest.importorskip("ray")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_ray_serve import Env, deploy, free_port, wait_until  # noqa: E402
+from test_ray_serve import deploy, serve_cluster, wait_until  # noqa: E402
 from test_server_hostile import GATEWAY_PATHS, OK, schema_valid_run  # noqa: E402
 from test_stall import ATTACKS, check_attacks  # noqa: E402
 
@@ -46,32 +46,16 @@ SUBSET = ("3 MB prompt (413 before reading)", "5 MB logit_bias of 400k entries (
 
 @pytest.fixture(scope="module")
 def ray_app():
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
     from shepherd.deploy.ray_ingress import IngressConfig
     from shepherd.deploy.ray_serve import RayServeOptions
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=2, gcs_server_port=free_port(), include_dashboard=False, dashboard_port=free_port(),
-        ray_client_server_port=free_port(), object_store_memory=80 << 20))
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        env = Env(cluster, [], f"http://127.0.0.1:{port}")
+    with serve_cluster() as env:
         deploy(env, APP, RayServeOptions(replicas=1, num_cpus_per_replica=0.5, router="least-request",
                                          routing_stats_period_s=0.5, ingress=IngressConfig(read_timeout=30.0)),
                STALL_ARGS)
         wait_until(lambda: len(env.replicas()) == 1, 60, "the ingress to see the replica")
         wait_until(lambda: httpx.get(env.url + "/health", timeout=10).status_code == 200, 60, "/health 200")
         yield env
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
 
 
 def test_no_attack_through_ray_stalls_health_or_an_innocent_stream(ray_app):
