@@ -227,9 +227,10 @@ def test_bf16_logprobs_close_to_peft(bf16_executor, adapters, scaled_adapter):
     """bfloat16 with an adapter: each token's logprob, teacher-forced (prompt + greedy answer, one
     prefill step), against PEFT's float32 forward of the same adapter: the mean |difference| over
     each adapter's ~140 tokens is within LP_TOL nats (measured on the Intel Xeon model 207, no
-    avx512_bf16: a1 0.050, a2 0.071, a3 0.061). A wrong adapter is 4x-20x further (swapped a1/a2:
-    0.39/0.41; the base instead of a3: 1.06; a missing alpha/r scale: a1 0.15, a2 0.31, a3 1.05):
-    the swaps are checked here, the scale was broken once by hand (see the commit)."""
+    avx512_bf16: a1 0.049, a2 0.059, a3 0.057 with the one-call forward_bf16 of 0f973e1; 0.050,
+    0.071, 0.061 with the per-op path before it). A wrong adapter is 3x-20x further (swapped
+    a1/a2: 0.39/0.41; the base instead of a3: 1.05; a missing alpha/r scale, per-op path: a1 0.15,
+    a2 0.31, a3 1.05): the swaps are checked here, the scale was broken once by hand (1437ddb)."""
     prompts, _, refs, ref_lps = adapters
     seqs = {a: [p + t for p, t in zip(prompts, refs[a])] for a in ("a1", "a2")}
     variants = [("a1", "a1"), ("a1", "a2"), ("a2", "a2"), ("a2", "a1")]     # (whose answer, adapter served)
