@@ -26,6 +26,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -110,7 +111,7 @@ async def innocent(url: str, model: str, max_tokens: int, stop_evt: asyncio.Even
     await client.close()
 
 
-def attack_all(url: str, path: str, body: bytes, repeat: int, timeout: float) -> list[str]:
+def attack_all(url: str, path: str, body: bytes, repeat: int, timeout: float) -> list[tuple[str, float]]:
     """All copies at once, each on its own connection. Runs in a process of its own: sending
     10 x 15 MB would otherwise delay the /health poller and the innocent stream in this one."""
     async def go():
@@ -118,16 +119,19 @@ def attack_all(url: str, path: str, body: bytes, repeat: int, timeout: float) ->
     return asyncio.run(go())
 
 
-async def attacker(url: str, path: str, body: bytes, timeout: float) -> str:
+async def attacker(url: str, path: str, body: bytes, timeout: float) -> tuple[str, float]:
+    """(the answer's status or the error's name, seconds until it came)."""
     import httpx
+    t0 = time.perf_counter()
     try:
         async with httpx.AsyncClient(timeout=timeout) as c:
             r = await c.post(url + path, content=body, headers={"content-type": "application/json"})
-            return str(r.status_code)
+            status = str(r.status_code)
     except httpx.TimeoutException:
-        return "timeout"
+        status = "timeout"
     except httpx.HTTPError as e:
-        return type(e).__name__
+        status = type(e).__name__
+    return status, time.perf_counter() - t0
 
 
 def longest_gap(chunks: list, t0: float, t1: float) -> float:
@@ -144,7 +148,8 @@ def p99(xs: list) -> float:
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def window(url: str, model: str, attack, repeat: int, max_tokens: int, timeout: float, pool) -> dict:
+async def window(url: str, model: str, attack, repeat: int, max_tokens: int, timeout: float, pool,
+                 settle: float = 0.0) -> dict:
     stop_evt = asyncio.Event()
     health, chunks = [], []
     hp = asyncio.create_task(health_poller(url, stop_evt, health))
@@ -153,20 +158,25 @@ async def window(url: str, model: str, attack, repeat: int, max_tokens: int, tim
         await asyncio.sleep(0.01)
         if inn.done():
             inn.result()
-    t0 = time.perf_counter()
+    # the burst of starting this window's clients is over, and the engine's thread governor
+    # (engine/threads.py) is back at its count for a quiet machine before the attack starts
+    await asyncio.sleep(settle)
+    t0, wall0 = time.perf_counter(), time.time()
     if attack is None:
         await asyncio.sleep(5.0)
-        statuses = []
+        statuses, answers = [], []
     else:
         _, path, body = attack
         job = pool.apply_async(attack_all, (url, path, body, repeat, timeout))
         while not job.ready():
             await asyncio.sleep(0.01)
-        statuses = job.get()
+        answers = job.get()
+        statuses = [s for s, _ in answers]
     t1 = time.perf_counter()
     n_before = len(chunks)
     while len(chunks) < n_before + 2 and not inn.done():     # the gap that spans the window's end
         await asyncio.sleep(0.01)
+    t_end = time.perf_counter()
     stop_evt.set()
     await asyncio.gather(hp, inn, return_exceptions=True)
     lat = [d for t, d in health if t1 >= t >= t0 or (t < t0 <= t + d)]
@@ -175,7 +185,9 @@ async def window(url: str, model: str, attack, repeat: int, max_tokens: int, tim
     for s in statuses:
         counts[s] = counts.get(s, 0) + 1
     return {"statuses": counts, "window_s": t1 - t0, "health_p99": p99(lat), "health_max": max(lat, default=0.0),
-            "gap_max": longest_gap(chunks, t0, t1), "gap_median": statistics.median(gaps) if gaps else 0.0}
+            "gap_max": longest_gap(chunks, t0, t1), "gap_median": statistics.median(gaps) if gaps else 0.0,
+            "answer_s": [d for _, d in answers], "t0": t0, "wall0": wall0, "t1": t1, "t_end": t_end,
+            "chunks": [(k, t) for k, t in chunks if t0 - 1.0 <= t <= t_end]}
 
 
 def fmt_statuses(c: dict) -> str:
@@ -201,6 +213,66 @@ def write_docs(path: str, block: str, section: str = "") -> None:
     text = open(path, encoding="utf-8").read()
     a, b = text.index(begin) + len(begin), text.index(end)
     open(path, "w", encoding="utf-8").write(text[:a] + "\n" + block + "\n" + text[b:])
+
+
+ENGINE_PID = re.compile(r"engine core pid (\d+)")
+THREAD_CHANGE = re.compile(r"^(\S+ \S+) INFO shepherd.engine: (engine threads \d+ -> \d+ .*)$", re.M)
+
+
+def log_texts(logs: str) -> dict:
+    """name -> text of the server logs this script wrote."""
+    out = {}
+    for name in ("serve", "replica0", "replica1", "ray-serve", "gateway"):
+        try:
+            out[name] = open(os.path.join(logs, f"{name}.log"), encoding="utf-8", errors="replace").read()
+        except OSError:
+            pass
+    return out
+
+
+def sampler_for(procs: list, target: str, pool, logs: str):
+    """--profile: a ProcSampler over this process (bench: the innocent client and the /health
+    poller), the attacker's process, and the servers with what they started (engine cores)."""
+    from proc_sampler import ProcSampler
+    names = {"serve": ["serve"], "ray": ["ray-serve"], "gateway": ["replica0", "replica1", "gateway"]}[target]
+    engines = {int(p) for text in log_texts(logs).values() for p in ENGINE_PID.findall(text)}
+    roots = {"bench": os.getpid(), "attacker": pool.apply(os.getpid)}
+    roots.update({n: p.pid for n, p in zip(names, procs)})
+    return ProcSampler(roots, label_of=lambda pid: "engine" if pid in engines else None,
+                       flat=frozenset({"bench", "attacker"})).start()
+
+
+def profile_report(samples: list, r: dict, logs: str, step: float = 0.1, timeline: bool = True) -> str:
+    """Where the CPU went in one window (from /proc), then a timeline in `step` s bins: the stream's
+    longest gap ending in the bin, each engine's busy threads and run-queue wait, each process's CPU."""
+    from proc_sampler import between, engine_usage, usage
+    t0, t_end = r["t0"], r["t_end"]
+    a, b = between(samples, t0, t_end)
+    ans = sorted(r["answer_s"])
+    out = [f"  profile of {b.t - a.t:.2f} s" + (f"; attackers answered after {ans[0]:.2f}-{ans[-1]:.2f} s" if ans else "")]
+    for label, (cpu, rd, wr) in sorted(usage(a, b).items()):
+        out.append(f"    {label:<18} CPU {cpu:5.2f} s   read {rd:8.1f} MB   written {wr:8.1f} MB")
+    for label, (run, wait, _) in sorted(engine_usage(a, b).items()):
+        out.append(f"    {label} threads: ran {run:.2f} s, waited for a CPU {wait:.2f} s "
+                   f"({100 * wait / max(run + wait, 1e-9):.0f} %)")
+    for name, text in log_texts(logs).items():
+        for stamp, msg in THREAD_CHANGE.findall(text):
+            when = time.mktime(time.strptime(stamp.split(",")[0], "%Y-%m-%d %H:%M:%S")) + int(stamp.split(",")[1]) / 1e3
+            if r["wall0"] - 1.0 <= when <= r["wall0"] + t_end - t0:
+                out.append(f"    {name}: t{when - r['wall0']:+.2f} s {msg}")
+    if not timeline:
+        return "\n".join(out)
+    chunks = r["chunks"]
+    t = t0 - 2 * step
+    while t < t_end:
+        a, b = between(samples, t, t + step)
+        gaps = [y - x for (k0, x), (k1, y) in zip(chunks, chunks[1:]) if k0 == k1 and t <= y < t + step]
+        eng = " ".join(f"{label.split('/')[0]}: {busy} busy, wait {100 * w / max(rn + w, 1e-9):3.0f}%"
+                       for label, (rn, w, busy) in sorted(engine_usage(a, b).items()))
+        cpu = " ".join(f"{label}={c:.2f}" for label, (c, _, _) in sorted(usage(a, b).items()) if c >= 0.005)
+        out.append(f"    t{t - t0:+.1f} gap {max(gaps, default=0.0):.3f} | {eng} | CPU s {cpu}")
+        t += step
+    return "\n".join(out)
 
 
 def launch(args) -> tuple[str, list]:
@@ -252,6 +324,11 @@ def main() -> None:
     ap.add_argument("--logs", default="/tmp")
     ap.add_argument("--root", default=ROOT, help="the checkout whose shepherd serves (default: this one)")
     ap.add_argument("--write", default=None, help="a docs file to write the table into (between its markers)")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds the innocent stream flows before the "
+                    "attack (the thread governor needs two 0.5 s windows to return to all threads after "
+                    "the burst of starting the clients)")
+    ap.add_argument("--profile", action="store_true", help="also print where the CPU went in each window "
+                    "(per process, from /proc; benchmarks/proc_sampler.py) and a 0.1 s timeline")
     ap.add_argument("--section", default="", help="with --write: the markers stall-attacks-SECTION (a second "
                     "table in the same file, e.g. gateway, before)")
     args = ap.parse_args()
@@ -259,16 +336,24 @@ def main() -> None:
     chosen = [a for a in args.attacks.split(",") if a]
     url, procs = launch(args)
     pool = multiprocessing.get_context("spawn").Pool(1)
+    sampler = sampler_for(procs, args.target, pool, args.logs) if args.profile else None
     try:
         import httpx
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        rows = [(None, asyncio.run(window(url, model, None, 0, args.max_tokens, args.timeout, pool)))]
+        rows = [(None, asyncio.run(window(url, model, None, 0, args.max_tokens, args.timeout, pool, args.settle)))]
         print(table(rows, args.repeat, args.target), flush=True)
+        if sampler is not None:
+            print(profile_report(sampler.samples, rows[0][1], args.logs, timeline=False), flush=True)
         for name in chosen:
-            r = asyncio.run(window(url, model, every[name], args.repeat, args.max_tokens, args.timeout, pool))
+            r = asyncio.run(window(url, model, every[name], args.repeat, args.max_tokens, args.timeout, pool,
+                                   args.settle))
             rows.append((every[name][0], r))
             print(table(rows[-1:], args.repeat, args.target).splitlines()[-1], flush=True)
+            if sampler is not None:
+                print(profile_report(sampler.samples, r, args.logs), flush=True)
     finally:
+        if sampler is not None:
+            sampler.stop()
         pool.terminate()
         for p in reversed(procs):
             stop_server(p)

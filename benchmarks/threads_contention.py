@@ -88,7 +88,7 @@ def measure(args, variant: str) -> dict:
     port = free_port()
     log = open(os.path.join(args.logs, f"threads-{name}.log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "shepherd", "serve", "--port", str(port),
-                             "--max-total-tokens", "16384", "--log-level", "warning"] + extra,
+                             "--max-total-tokens", "16384", "--log-level", "info"] + extra,
                             cwd=ROOT, env=dict(os.environ, **env), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"

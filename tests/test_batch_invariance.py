@@ -122,6 +122,32 @@ def test_16_concurrent_equal_alone(ex, prompts, alone):
     assert len({tuple(x) for x in alone}) > N_REQ // 2   # the prompts really differ
 
 
+def test_thread_count_changed_between_layers_keeps_the_tokens(ex, prompts, alone):
+    """The thread governor (engine/threads.py) may go from 2 threads to 1 in the middle of a
+    forward, through the model's between_layers hook: every forward here switches to 1 thread
+    before layer 5 and back to all before its next forward, and the tokens stay those of the
+    unswitched runs."""
+    full, seen = torch.get_num_threads(), []
+    if full < 2:
+        pytest.skip("one CPU: no thread count to change")
+
+    def hook(layer):
+        seen.append(layer)
+        if layer == 0:
+            torch.set_num_threads(full)
+        elif layer == 5:
+            torch.set_num_threads(1)
+    ex.watch_layers(hook)
+    try:
+        together = Loop(ex, seed=4).run(prompts, arrive=[i // 3 for i in range(len(prompts))])
+    finally:
+        ex.watch_layers(None)
+        torch.set_num_threads(full)
+    if not seen:
+        pytest.skip("this path runs the layer stack in one call (kernels.forward_layers): no hook")
+    assert 5 in seen and together == alone
+
+
 def test_16_concurrent_with_chunked_prefill(ex, prompts, alone):
     loop = Loop(ex, seed=3)
     together = loop.run(prompts, chunk=13)

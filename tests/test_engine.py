@@ -567,3 +567,51 @@ def test_thread_governor_drops_to_one_thread_under_contention_and_comes_back():
     run_wait, idle = thread_times(set()), cpu_idle(os.sched_getaffinity(0))
     assert run_wait is None or run_wait[0] > 0
     assert idle is None or idle[1] > 0
+
+
+def test_thread_governor_drops_in_the_middle_of_a_step_another_process_stretches():
+    """engine/threads.py's mid-step rule on a fake clock: a forward in which two looks in a row
+    found the process short of CPUs (under threads x (1 - contended)) and its threads waited
+    for a CPU more than `sharp` of the time between them goes to one thread before its next
+    layer; a quiet step, a long one with both CPUs (neither reads /proc), a single-threaded
+    stretch nobody waits in, a wait below `sharp` and short looks never two in a row do not.
+    At one thread nothing is read."""
+    from shepherd.engine.threads import ThreadGovernor
+    now, cpu, main, reads, calls = [0.0], [0.0], [0, 0], [], []
+
+    def times():
+        reads.append(now[0])
+        return tuple(main)
+
+    gov = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: cpu[0],
+                         times=times, probe=0.01, sharp=0.49)
+    reads.clear()
+
+    def forward(layers: list) -> int:
+        """Run one layer per (seconds, CPUs the process gets, share of the time its threads
+        wait for a CPU). Returns the layer before which it dropped to one thread (-1: never)."""
+        for li, (dt, cpus, waiting) in enumerate(layers):
+            before = len(calls)
+            gov.between_layers(li)
+            if len(calls) > before:
+                return li
+            now[0] += dt
+            cpu[0] += cpus * dt
+            main[0] += int((1 - waiting) * dt * 1e9)
+            main[1] += int(waiting * dt * 1e9)
+        return -1
+
+    assert forward([(0.0005, 2.0, 0.0)] * 30) == -1                 # a quiet 15 ms decode step
+    assert forward([(0.01, 1.9, 0.05)] * 30) == -1                  # a 300 ms prefill with both CPUs
+    assert reads == []
+    assert forward([(0.01, 1.0, 0.0)] * 30) == -1                   # one CPU busy, nobody waiting
+    assert forward([(0.01, 1.2, 0.46)] * 30) == -1                  # waiting 46 %: below `sharp`
+    assert forward([(0.01, 1.0, 0.5), (0.01, 1.9, 0.0)] * 15) == -1  # contended looks, never two in a row
+    assert calls == [] and gov.mid_step_drops == 0
+    at = forward([(0.004, 1.0, 0.5)] * 30)                           # a stretched step: half the time waiting
+    assert at == 6 and calls == [1] and gov.threads == 1 and gov.mid_step_drops == 1   # looks at 12 and 24 ms
+    reads.clear()
+    assert forward([(0.004, 1.0, 0.5)] * 30) == -1 and reads == []  # at one thread: nothing to look at
+    gov.decide(0.0, 0.9)                                             # the two-window rule brings it back
+    gov.decide(0.0, 1.0)
+    assert calls == [1, 2] and gov.threads == 2

@@ -102,7 +102,12 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     # The loop runs in this process's main thread: libgomp (torch's OpenMP) keeps a warm worker
     # team only for the initial thread; driven from another thread, every parallel region paid
     # for a fresh team and a decode step took 40 ms instead of 22 (benchmarks/omp_thread.py).
-    if not _serve(served, conn, log, governor(cfg, threads)):
+    gov = governor(cfg, threads)
+    if gov is not None and os.environ.get("SHEPHERD_GOVERNOR_MID_STEP", "1") != "0":
+        # the mid-step rule (threads.py); SHEPHERD_GOVERNOR_MID_STEP=0 leaves the window rule alone,
+        # for benchmarks/threads_contention.py and stall_attacks.py to measure the two side by side
+        served.core.executor.watch_layers(gov.between_layers)
+    if not _serve(served, conn, log, gov):
         sys.exit(1)
 
 

@@ -19,7 +19,32 @@ while it has the cores, and drops to one thread while it does not:
     above `contended` in two windows in a row means someone else holds the
     cores: one thread;
   - at one thread, when its CPUs were idle for at least `free` of one CPU's
-    time in two windows in a row, the cores are back: all threads again.
+    time in two windows in a row, the cores are back: all threads again;
+  - inside a step (the model calls `between_layers` before each layer), every
+    `probe` s it compares the process's CPU time with the wall time; at two
+    looks in a row within one forward that found fewer than threads x
+    (1 - `contended`) CPUs' worth, it reads its threads' run-queue waits at
+    both, and when they waited more than `sharp` of the time in between, one
+    thread at once, in the middle of the step. A quiet look costs a clock and
+    a CPU-time read (~1 us); schedstat (~45 us) is read only when the CPUs
+    were short. `sharp` (49 %) is above `contended`: 10-80 ms are noisier than
+    0.5 s. Measured (benchmarks/threads_contention.py, stall_attacks.py
+    --profile): 64 local openai streams, where two threads still win, had
+    looks of 45-48 % (at 45 % the rule flapped and cost 14 % of their tok/s);
+    the 413 attacks below, 50-62 %.
+
+Why the last rule: a burst of load shorter than two windows never met the
+window rule, yet one step of it cost the most. Ten 10-15 MB bodies refused
+with 413 (benchmarks/stall_attacks.py --profile) kept a core busy in the
+attacking client for 0.5-0.7 s; the two-thread team waited 50-60 % of its
+time for a CPU, and one decode step of ~25 ms took 0.39-0.63 s (every
+barrier of the step waited for the partner thread behind the other process).
+The governor's ticks come between steps, so it saw that step only when it
+was over. At one thread the same attack left the steps at ~25 ms.
+Going back to all threads keeps the two-window rule: a burst costs a part of
+one step, and the count comes back when the cores are idle. The model calls
+the hook only where it runs layer by layer (kernels.forward_layers, one C
+call for the whole stack on CPUs with avx512_bf16, has no point between).
 
 Measured wait shares: 7-8 % beside one busy process when the kernel placed
 it well (the request then took 1.7x its quiet time at two threads), 39-52 %
@@ -80,16 +105,22 @@ class ThreadGovernor:
     window); it calls `set_threads(n)` when the count should change."""
 
     def __init__(self, max_threads: int, set_threads: Callable[[int], None], window: float = 0.5,
-                 contended: float = 0.35, free: float = 0.5, clock: Callable[[], float] = time.monotonic):
+                 contended: float = 0.35, free: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 probe: float = 0.01, sharp: float = 0.49, cpu_clock: Callable[[], float] = time.process_time,
+                 times: Optional[Callable[[], Optional[tuple[int, int]]]] = None):
         self.max_threads, self.set_threads = max_threads, set_threads
         self.window, self.contended, self.free, self.clock = window, contended, free, clock
+        self.probe, self.sharp, self.cpu_clock = probe, sharp, cpu_clock
+        self._times_fn = times or self._sample_times
         self.threads = max_threads
         self.cpus = os.sched_getaffinity(0)
         self._last = self.clock()
-        self._times = self._sample_times()
+        self._times = self._times_fn()
         self._idle = cpu_idle(self.cpus)
         self._streak = 0
         self.last_wait_share: Optional[float] = None     # for logs and tests
+        self._look: tuple = (0.0, 0.0, None)   # the last mid-step look: clock, process CPU s, run/wait ns or None
+        self.mid_step_drops = 0         # for logs and tests
 
     @staticmethod
     def _sample_times() -> Optional[tuple[int, int]]:
@@ -104,7 +135,7 @@ class ThreadGovernor:
         if now - self._last < self.window:
             return
         self._last = now
-        times, idle = self._sample_times(), cpu_idle(self.cpus)
+        times, idle = self._times_fn(), cpu_idle(self.cpus)
         if times is None or idle is None or self._times is None or self._idle is None:
             return
         d_run, d_wait = times[0] - self._times[0], times[1] - self._times[1]
@@ -117,6 +148,36 @@ class ThreadGovernor:
         idle_cpus = len(self.cpus) * d_idle / d_total
         log.debug("engine threads %d: run-queue wait %.1f%%, %.2f CPUs idle", self.threads, 100 * share, idle_cpus)
         self.decide(share, idle_cpus)
+
+    def between_layers(self, layer: int) -> None:
+        """The model's hook before each layer of a forward (model/llama.py): the mid-step rule of
+        the module doc. A clock read per layer; a look every `probe` s, the first at the
+        forward's first layer (the time between two steps is not a step's)."""
+        if self.threads < 2:
+            return
+        now = self.clock()
+        t0, cpu0, sched0 = self._look
+        if layer and now - t0 < self.probe:
+            return
+        cpu = self.cpu_clock()
+        short = layer > 0 and (cpu - cpu0) / (now - t0) < self.threads * (1.0 - self.contended)
+        sched = self._times_fn() if short else None
+        self._look = (now, cpu, sched)
+        if sched is None or sched0 is None:
+            return
+        d_run, d_wait = sched[0] - sched0[0], sched[1] - sched0[1]
+        share = d_wait / (d_run + d_wait) if d_run + d_wait > 0 else 0.0
+        if share <= self.sharp:
+            return
+        cpus = (cpu - cpu0) / (now - t0)
+        self.mid_step_drops += 1
+        log.info("engine threads %d -> 1 in a step (the cores are shared: over the last %.0f ms our threads "
+                 "waited %.0f%% of the time for a CPU, the process got %.1f CPUs)", self.threads,
+                 1e3 * (now - t0), 100 * share, cpus)
+        self.threads, self._streak = 1, 0
+        self.set_threads(1)
+        # the window rule measures the next window at one thread
+        self._last, self._times, self._idle = now, sched, cpu_idle(self.cpus)
 
     def decide(self, wait_share: float, idle_cpus: float) -> None:
         """One window's figures: the share of time our threads waited for a CPU, and how many of

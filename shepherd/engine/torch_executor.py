@@ -392,6 +392,11 @@ class TorchExecutor:
         res.step_time = time.perf_counter() - t0
         return res
 
+    def watch_layers(self, hook) -> None:
+        """Call `hook(layer index)` before each layer of the model's forward (model/llama.py's
+        between_layers; the core process's thread governor, engine/threads.py)."""
+        self.model.between_layers = hook
+
     def grammar_ready(self, spec: tuple[str, str]) -> bool:
         """step.Executor.grammar_ready: compiles in the sampler's background thread."""
         return self.sampler.grammar.prepare(spec)

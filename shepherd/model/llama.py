@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +219,10 @@ class LlamaModel:
         self.row_tile = 0
         self.whole_forward = True   # False: one kernel call per op even where forward_layers applies
         self.lora: Optional[LoraPool] = None   # the executor's adapter slots, when it serves LoRA adapters
+        # called with the layer's index before each layer of a forward that runs layer by layer
+        # (not inside forward_layers' single call): engine/threads.py's ThreadGovernor drops to
+        # one OpenMP thread in the middle of a step that another process is stretching
+        self.between_layers: Optional[Callable[[int], None]] = None
         esz = torch.empty((), dtype=dtype).element_size()
         self._word = torch.int64 if (self.hd * esz) % 8 == 0 else dtype
         W = weights
@@ -317,7 +321,10 @@ class LlamaModel:
         sin = self.sin_signed.index_select(0, inp.positions).unsqueeze(1)
         rows = kv_pool.shape[1] * kv_pool.shape[2]
         word = self._word
+        hook = self.between_layers
         for li, L in enumerate(self.layers):
+            if hook is not None:
+                hook(li)
             h = self.rms_norm(x, L["ln1"])
             qkv = self._lora(li, "qkv", h, L["qkv"](h), inp)             # [T, q | k | v]
             qk = qkv[:, : qs + ks].view(T, H + KVH, hd)
@@ -353,7 +360,10 @@ class LlamaModel:
                              scale=self.scale, eps=eps, lora=None if self.lora is None else self.lora.table,
                              lora_rows=inp.lora_rows)
             return self._logits(x, inp)
+        hook = self.between_layers
         for li, L in enumerate(self.layers):
+            if hook is not None:
+                hook(li)
             pool = kv_pool[li]
             qkv = self._lora(li, "qkv", h, L["qkv"](h), inp)
             k.rope_kv(qkv, H, KVH, hd, inp.positions, self.cos_half, self.sin_half, pool, inp.slots)
