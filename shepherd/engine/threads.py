@@ -43,8 +43,9 @@ The governor's ticks come between steps, so it saw that step only when it
 was over. At one thread the same attack left the steps at ~25 ms.
 Going back to all threads keeps the two-window rule: a burst costs a part of
 one step, and the count comes back when the cores are idle. The model calls
-the hook only where it runs layer by layer (kernels.forward_layers, one C
-call for the whole stack on CPUs with avx512_bf16, has no point between).
+the hook only where it runs layer by layer: kernels.forward_layers, one C
+call for the whole stack (on AVX-512F CPUs since 0f973e1, this Xeon too),
+has no point between, so there only the window rule acts.
 
 Measured wait shares: 7-8 % beside one busy process when the kernel placed
 it well (the request then took 1.7x its quiet time at two threads), 39-52 %
