@@ -12,7 +12,6 @@ import pytest
 
 from shepherd.config import SchedulerConfig, SpeculativeConfig
 from shepherd.engine.sim_executor import SimExecutor
-from shepherd.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored
 from shepherd.kv_events.hashing import BLOCK_SIZE, chain_hashes
 from shepherd.kv_events.tracker import BlockTracker
 from shepherd.request import Request, RequestState, SamplingParams
@@ -20,6 +19,7 @@ from shepherd.scheduler.cache_events import DECODE_CACHE_BLOCK
 from shepherd.scheduler.scheduler import Scheduler
 from shepherd.step import StepResult
 from sim_targets import run_offline
+from test_kv_events import _Consumer  # the event-stream checker: no block twice, parents known, full blocks
 
 try:
     from kv_fakes import cached_hashes
@@ -87,25 +87,6 @@ def test_no_insert_per_token_with_pages_of_one():
     # the prompt (20) at its first token; then at computed lengths 32, 48, 64; the rest at the end
     assert added == [20, 12, 16, 16, 15]
 
-
-class _Consumer:
-    """A subscriber's view of the events, checked as it goes: no block twice, parents known."""
-
-    def __init__(self):
-        self.held: set = set()
-
-    def apply(self, events):
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                assert not (set(ev.block_hashes) & self.held), "a block announced twice"
-                assert ev.parent_block_hash is None or ev.parent_block_hash in self.held
-                assert chain_hashes(ev.token_ids, ev.parent_block_hash) == ev.block_hashes
-                self.held.update(ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                assert set(ev.block_hashes) <= self.held
-                self.held.difference_update(ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                self.held.clear()
 
 
 def _tree_paths(tree):
