@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from shepherd.bench import loadgen
 from shepherd.kv_events.hashing import chain_hashes
 from shepherd.kv_events.index import KVBlockIndex
 from shepherd.kv_events.subscriber import KVEventSubscriber, Source
@@ -148,13 +149,14 @@ def _dynamo():
     return SelectionService
 
 
-def test_dynamo_indexer_reads_shepherd_replicas(two_replicas):
+def test_dynamo_indexer_reads_shepherd_replicas(indexed):
     """A third-party consumer: Dynamo's runtime-free SelectionService subscribed to both replicas
-    (pip install ai-dynamo-runtime; `make test` installs it where its wheel installs)."""
+    (pip install ai-dynamo-runtime; `make test` installs it where its wheel installs), beside
+    shepherd's own index (the gateway's) of the same streams."""
     SelectionService = _dynamo()
     if SelectionService is None:
         pytest.skip("ai-dynamo-runtime is not installed")
-    a, b = two_replicas
+    a, b, index, _ = indexed
 
     async def go():
         svc = SelectionService(indexer_threads=1)
@@ -179,6 +181,7 @@ def test_dynamo_indexer_reads_shepherd_replicas(two_replicas):
                     assert time.monotonic() < end, f"{what}: Dynamo says {s}, expected {want}"
                     await asyncio.sleep(0.05)
 
+            await decoded_blocks_are_announced(a, b.url, index, until)
             p = list(range(1000, 1100))
             await asyncio.to_thread(a.serve, p)
             await until(p, {1: 6, 2: 0}, "a 100-token prompt served by A")
@@ -199,3 +202,44 @@ def test_dynamo_indexer_reads_shepherd_replicas(two_replicas):
         finally:
             svc.shutdown()
     asyncio.run(go())
+
+
+async def decoded_blocks_are_announced(a, b_url, index, until):
+    """A chat's next turn: the previous prompt + its answer + the new message, as token ids. A
+    replica caches (and announces) an answer's full 16-token blocks as they fill, as vLLM does, so
+    Dynamo scores the next turn's prompt and answer blocks on A, and the blocks of the answer
+    generated so far already while the answer is still being generated."""
+    q = list(range(3000, 3024))          # 24 tokens: 1 full block, the 2nd ends in the answer
+    answer: list[int] = []
+    seen_running = False
+    # 460 tokens (q + answer: 484 of A's 512, 30 full blocks): ~2.3 s paced at >= 5 ms a step
+    req = {"prompt": q, "max_tokens": 460, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", a.url + "/v1/completions", json=req) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                c = json.loads(line[len("data: "):])["choices"][0]
+                answer += c["token_ids"]
+                if not seen_running and len(answer) >= 64:
+                    # 64 answer tokens out: the KV of q + answer[:63] is computed, so its 5 full
+                    # blocks (q's, then one shared, then 3 of the answer alone) are cached by now
+                    ids = q + answer[:64]
+                    await until(ids, {1: len(ids) // 16, 2: 0}, "the answer's blocks while it runs")
+                    await asyncio.to_thread(wait_until, lambda: index.match(chain_hashes(ids), [a.url, b_url])
+                                            == {a.url: len(ids) // 16}, 10, "shepherd's index to agree")
+                    # ... and it had not ended when Dynamo saw them (nothing else runs on A)
+                    m = loadgen.parse_prometheus((await http.get(a.url + "/metrics")).text)
+                    assert m["vllm:num_requests_running"] == 1, "the answer ended before its blocks were seen"
+                    seen_running = True
+    assert seen_running and len(answer) == 460
+    nxt = q + answer + list(range(5000, 5008))         # the next turn: 492 tokens
+    full = len(q + answer) // 16                        # 30 blocks: 1 of q, 1 shared, 28 of the answer
+    assert (len(q) + len(answer)) % 16 != 0             # so the last block's last token is computed too
+    await until(nxt, {1: full, 2: 0}, "the next turn's prompt")
+    await asyncio.to_thread(wait_until, lambda: index.match(chain_hashes(nxt), [a.url, b_url]) == {a.url: full},
+                            10, "shepherd's index to agree")
+    got = await asyncio.to_thread(a.serve, nxt, 1)
+    # the replica's own cache agrees (it holds whole pages, more than whole blocks with small pages)
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * full

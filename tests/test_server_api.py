@@ -152,6 +152,24 @@ def test_completion_stream_format_and_usage(client):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
+def test_completion_return_token_ids(client, tok):
+    """vLLM's return_token_ids: the prompt's ids and the answer's (EOS included, as vLLM's), whole
+    or as each chunk's delta, so a client can send the next turn as prompt + answer ids."""
+    prompt, script = tok.encode("Say hi"), tok.encode(TEXT)
+    eos = tok.eos_token_ids[0]
+    b = client.post("/v1/completions", json={"prompt": "Say hi", "max_tokens": 200, "return_token_ids": True}).json()
+    c = b["choices"][0]
+    assert c["prompt_token_ids"] == prompt and c["token_ids"] == script + [eos]
+    assert "token_ids" not in client.post("/v1/completions", json={"prompt": "Say hi", "max_tokens": 2}).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 7, "stream": True,
+                                                        "return_token_ids": True}) as r:
+        chunks = sse_events(r.read().decode())
+    cs = [k["choices"][0] for k in chunks]
+    assert cs[0]["prompt_token_ids"] == prompt and all(k["prompt_token_ids"] is None for k in cs[1:])
+    assert [t for k in cs for t in k["token_ids"]] == script[:7]
+    assert tok.decode(script[:7]) == "".join(k["text"] for k in cs)
+
+
 def test_chat_non_stream(client):
     r = client.post("/v1/chat/completions", json={
         "model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200})

@@ -63,7 +63,7 @@ class ChatRoutes:
         res = await until_disconnect(request, collect(streams))
         if res is None:
             return Response(status_code=499)
-        texts, lps, final = res
+        texts, lps, final, _ = res
         choices = []
         for i in range(len(streams)):
             msg, reason = self.message(body, texts[i], final[i].finish_reason)

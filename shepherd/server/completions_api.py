@@ -59,11 +59,14 @@ class CompletionRoutes:
         res = await until_disconnect(request, collect(streams))
         if res is None:
             return Response(status_code=499)
-        texts, lps, final = res
+        texts, lps, final, ids = res
         choices = [{"index": i, "text": echo[i] + texts[i],
                     "logprobs": self.logprobs(body, prompt_ids[i], final[i].prompt_logprobs, lps[i], len(echo[i])),
                     "finish_reason": final[i].finish_reason, "stop_reason": final[i].stop_reason}
                    for i in range(len(streams))]
+        if body.return_token_ids:
+            for c, p, t in zip(choices, prompt_ids, ids):
+                c["prompt_token_ids"], c["token_ids"] = p, t
         if body.prompt_logprobs is not None:
             for c, f in zip(choices, final):
                 c["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokstr, f.prompt_logprobs)
@@ -91,7 +94,8 @@ class CompletionRoutes:
             return sse_chunk("text_completion", meta, meta["model"], body.include_usage, choices, usage)
 
         def on_output(i: int, out):
-            if not out.text and not out.finished and not out.logprobs and out.prompt_logprobs is None:
+            if not out.text and not out.finished and not out.logprobs and out.prompt_logprobs is None \
+                    and not (body.return_token_ids and out.token_ids):
                 return
             text, lp = out.text, None
             if body.logprobs is not None:
@@ -105,6 +109,9 @@ class CompletionRoutes:
                  "stop_reason": out.stop_reason}
             if late and first[i] and body.prompt_logprobs is not None:
                 c["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokstr, out.prompt_logprobs)
+            if body.return_token_ids:      # vLLM's: the prompt's ids in the first chunk, then each delta's
+                c["prompt_token_ids"] = prompt_ids[i] if first[i] else None
+                c["token_ids"] = list(out.token_ids)
             first[i] = False
             yield chunk([c])
 

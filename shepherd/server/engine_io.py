@@ -141,10 +141,11 @@ async def sse_events(streams: list[RequestStream], on_output, usage_chunk, prelu
 
 
 async def collect(streams: list[RequestStream]):
-    """Non-streaming answer: each choice's whole text, logprobs and terminal output (which carries
-    the prompt's logprobs when they were asked for: they come with the first token)."""
+    """Non-streaming answer: each choice's whole text, logprobs, terminal output (which carries
+    the prompt's logprobs when they were asked for: they come with the first token) and token ids."""
     n = len(streams)
     texts = [""] * n
+    ids: list[list[int]] = [[] for _ in range(n)]
     lps: list[list] = [[] for _ in range(n)]
     plps: list = [None] * n
     final: list[Optional[EngineOutput]] = [None] * n
@@ -153,6 +154,7 @@ async def collect(streams: list[RequestStream]):
             if out.error is not None:
                 raise_output_error(out)
             texts[i] += out.text
+            ids[i].extend(out.token_ids)
             lps[i].extend(out.logprobs)
             if out.prompt_logprobs is not None:
                 plps[i] = out.prompt_logprobs
@@ -161,4 +163,4 @@ async def collect(streams: list[RequestStream]):
                 out.prompt_logprobs = plps[i]
     finally:
         release(streams)
-    return texts, lps, final
+    return texts, lps, final, ids

@@ -114,6 +114,9 @@ class CompletionRequest(_Sampling):
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    # vLLM's: each choice also carries prompt_token_ids and token_ids (a streamed chunk: its delta's,
+    # the prompt's in the first only), for a client that sends the next turn as token ids
+    return_token_ids: bool = False
 
     @field_validator("prompt")
     @classmethod

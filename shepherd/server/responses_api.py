@@ -173,7 +173,7 @@ class ResponsesRoutes:
         res = await until_disconnect(request, collect(streams))
         if res is None:
             return Response(status_code=499)
-        texts, _, final = res
+        texts, _, final, _ = res
         content, calls = tools.parse_output(texts[0], chat, self.ctx.cfg.tool_call_parser)
         output = ([shell.message(content)] if content else []) + [
             shell.call(c["function"]["name"], c["function"]["arguments"]) for c in calls]
