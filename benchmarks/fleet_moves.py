@@ -1,0 +1,117 @@
+"""Does precise-prefix's load penalty ever cost a cache hit? (simulator, deterministic)
+
+    python benchmarks/fleet_moves.py [--docs]
+
+Runs fleet_sim.py's two workloads (the chat sessions and the Mooncake trace) with
+precise-prefix, recording every decision: the longest match any replica held and the
+chosen replica's. A decision "forgoes" a match when the chosen replica held fewer of
+the prompt's blocks than another: the pressure term of its cost outweighed the blocks,
+or the imbalance rule sent it to the least loaded replica (the two ways precise-prefix
+trades hits for load).
+Beside them, the distance to the cluster-LRU bound in tokens (fleet_sim.py's explain),
+and, on the sessions, the turns that left the replica of the session's previous turn
+after it had finished ("previous turn on another replica" in fleet_sim.py --explain)
+with what that replica still held of the prompt when the turn was routed: only the
+1,500-token system prompt means the history had been evicted there before the move.
+With --docs the table goes into docs/ROUTING.md (<!-- fleet-moves -->).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from shepherd.routing import registry  # noqa: E402
+from shepherd.routing.precise_prefix import PrecisePrefixPolicy  # noqa: E402
+
+
+class RecordingPrecisePrefix(PrecisePrefixPolicy):
+    """precise-prefix, unchanged, noting per request the blocks each replica held when it chose."""
+    seen: dict = {}          # req_id -> ({replica key: blocks held}, chosen key); one run per process
+
+    def choose(self, request, replicas):
+        held = self.scorer.matched(request, replicas)
+        chosen = super().choose(request, replicas)
+        RecordingPrecisePrefix.seen[request.req_id] = (held, chosen.key)
+        return chosen
+
+
+def run(trace_name: str) -> dict:
+    import fleet_sim
+    from shepherd.config import SchedulerConfig
+    from shepherd.sim.cache_bounds import HitRateBounds
+    from shepherd.sim.simulator import SimConfig, Simulator
+    a = argparse.Namespace(requests=3000 if trace_name == "sessions" else None, replicas=8, trace=trace_name,
+                           kv_capacity=65536 if trace_name == "sessions" else None, session_rate=0.5, turns=12,
+                           think_time=30.0, input_len="lognormal:600:0.8", output_len="lognormal:300:0.8",
+                           system_tokens=1500, system_prompts=8, seed=0)
+    trace = fleet_sim.load(a)
+    registry.POLICIES["precise-prefix"] = RecordingPrecisePrefix     # this process only
+    RecordingPrecisePrefix.seen = {}
+    sched = SchedulerConfig(max_total_tokens=a.kv_capacity) if a.kv_capacity else SchedulerConfig()
+    sim = Simulator(SimConfig(replicas=a.replicas, router="precise-prefix", kv_capacity=a.kv_capacity, scheduler=sched,
+                              keep_records=True, timeseries=False, model="llama-3.1-8b", gpu="h100"))
+    res = sim.run(trace)
+    seen = RecordingPrecisePrefix.seen
+    bs = 16
+    forgo = [(max(h.values()) - h.get(c, 0)) * bs for h, c in seen.values() if h and max(h.values()) > h.get(c, 0)]
+    # the bound, request by request, as fleet_sim.py --explain feeds it
+    bound = HitRateBounds(sim.kv_capacity_total)
+    rec = {r.req_id: r for r in res.records}
+    prev: dict = {}
+    moved = moved_lost = moved_history_gone = 0
+    gap = 0
+    for i, tr in enumerate(sorted(trace, key=lambda t: t.arrival)):
+        before = bound.hit_lru
+        bound.observe(tr)
+        rid = f"r{tr.index if tr.index is not None else i}"
+        r = rec.get(rid)
+        if r is None or not r.ok:
+            continue
+        d = (bound.hit_lru - before) - r.cached_tokens
+        gap += d
+        p = prev.get(tr.session) if tr.session else None
+        if p is not None and p.finish is not None and p.finish <= tr.arrival and p.replica != r.replica and d > 0:
+            moved += 1
+            moved_lost += d
+            held, _ = seen.get(rid, ({}, None))
+            prev_key = next((k for k in held if str(k) == str(p.replica) or k == p.replica), None)
+            if bs * held.get(prev_key, 0) <= a.system_tokens:
+                moved_history_gone += 1
+        if tr.session:
+            prev[tr.session] = r
+    s = res.summary()
+    return {"trace": trace_name, "decisions": len(seen), "forgo": len(forgo), "forgone": sum(forgo), "gap": gap,
+            "ratio": s["prefix_hit_rate"] / s["hit_rate_bounds"]["lru_cluster"], "moved": moved,
+            "moved_lost": moved_lost, "moved_history_gone": moved_history_gone, "sessions": trace_name == "sessions"}
+
+
+def table(rows) -> str:
+    out = ["| trace | of the LRU bound | decisions | forgoing a longer match | tokens forgone | gap to the bound "
+           "(tokens, served requests) | moved turns (tokens lost) | of them, history already evicted on the "
+           "previous replica |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        mv = (f"{r['moved']} ({r['moved_lost']:,})", f"{r['moved_history_gone']}") if r["sessions"] else ("-", "-")
+        out.append(f"| {r['trace']} | {r['ratio']:.3f} | {r['decisions']:,} | {r['forgo']} | {r['forgone']:,} | "
+                   f"{r['gap']:,} | {mv[0]} | {mv[1]} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", action="store_true", help="write the table into docs/ROUTING.md")
+    a = ap.parse_args()
+    rows = [run(t) for t in ("sessions", "mooncake")]
+    md = table(rows)
+    print(md)
+    if a.docs:
+        from routing_sim import write_docs
+        write_docs(md, mark="fleet-moves")
+
+
+if __name__ == "__main__":
+    main()
