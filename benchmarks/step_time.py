@@ -15,6 +15,14 @@ docs/BENCHMARKS.md between <!-- steptime:start --> and <!-- steptime:end -->.
 CPU is the main thread's CPU time (time.thread_time): with --threads 1 it is the work itself,
 unaffected by other processes taking the core; wall time is what a user sees.
     python benchmarks/step_time.py --label "baseline" --quantization int4
+
+--watch takes a comma list of between-layers hooks that take turns step by step in one
+process (so that the machine's slow spells fall on each alike): none (the one-call layer
+stack), governor (the serving core's thread governor, engine/threads.py
+ThreadGovernor.between_layers, as `shepherd serve` installs it when it picks the thread count:
+at 2 threads the stack's C call returns to it at the first layer boundary past each 10 ms
+probe), every (a look before every layer: the stack cut at each layer, what a cut costs).
+    python benchmarks/step_time.py --threads 2 --steps 20 --watch none,governor,every
 """
 from __future__ import annotations
 
@@ -33,6 +41,11 @@ HEAD = ("| change | quant | rows | decode step p50, ms: wall (CPU) | GEMM only, 
         "| device, threads | measured |\n|---|---|---|---|---|---|---|---|")
 
 
+def decode_steps(args) -> int:
+    """Decode steps time_decode runs: warm-up and timed steps for each --watch variant."""
+    return (args.steps + args.warmup) * len(args.watch)
+
+
 def build(args):
     import torch
     from shepherd.config import EngineConfig
@@ -42,10 +55,15 @@ def build(args):
         if getattr(args, k, None) is not None and hasattr(EngineConfig, k):
             kw[k] = getattr(args, k)
     cfg = EngineConfig(model=args.model, dtype=args.dtype, batch_invariant=not args.no_batch_invariant,
-                       num_threads=args.threads, max_total_tokens=max(args.rows) * (args.ctx + args.steps + 64) + 256,
-                       **kw)
+                       num_threads=args.threads,
+                       max_total_tokens=max(args.rows) * (args.ctx + decode_steps(args) + 64) + 256, **kw)
     t0 = time.perf_counter()
     ex = TorchExecutor(cfg)
+    args.hooks = {"none": None, "every": lambda layer: 0.0}
+    if "governor" in args.watch:
+        from shepherd.engine.threads import ThreadGovernor
+        args.governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+        args.hooks["governor"] = args.governor.between_layers
     print(f"executor ready in {time.perf_counter() - t0:.1f} s (threads {torch.get_num_threads()})", flush=True)
     return ex
 
@@ -66,8 +84,8 @@ def time_decode(ex, n, args):
     reqs, slot = [], 0
     for i, p in enumerate(prompts(ex.tokenizer, n, args.ctx)):
         r = Request(req_id=f"st{n}-{i}", prompt_ids=p,
-                    params=SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True))
-        r.slots = list(range(slot, slot + len(p) + args.steps + 8))
+                    params=SamplingParams(max_tokens=decode_steps(args) + 8, temperature=0.0, ignore_eos=True))
+        r.slots = list(range(slot, slot + len(p) + decode_steps(args) + 8))
         slot += len(r.slots)
         r.state = RequestState.RUNNING
         reqs.append(r)
@@ -77,21 +95,27 @@ def time_decode(ex, n, args):
         res = ex.execute(ScheduledBatch(step=0, new=new, seqs=seqs))
         for r in reqs[k:k + 8]:
             r.output_ids.append(res.tokens[r.req_id][0])
-    times, cpu = [], []
-    for s in range(args.steps + args.warmup):
+    # the --watch variants take turns step by step, so that a slow spell of the machine falls on
+    # all of them alike; each gets --steps timed steps
+    times = {w: [] for w in args.watch}
+    cpu = {w: [] for w in args.watch}
+    for s in range(decode_steps(args)):
+        w = args.watch[s % len(args.watch)]
+        ex.watch_layers(args.hooks[w])
         seqs = [ScheduledSeq(r.req_id, [r.output_ids[-1]], r.num_tokens - 1, True, len(r.slots)) for r in reqs]
         t0, c0 = time.perf_counter(), time.thread_time()
         res = ex.execute(ScheduledBatch(step=s + 1, seqs=seqs))
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
-        if s >= args.warmup:
-            times.append(dt)
-            cpu.append(dc)
+        if s >= args.warmup * len(args.watch):
+            times[w].append(dt)
+            cpu[w].append(dc)
         for r in reqs:
             r.output_ids.append(res.tokens[r.req_id][0])
+    ex.watch_layers(None)
     for r in reqs:
         r.state = RequestState.FINISHED
     ex.execute(ScheduledBatch(step=0, finished=[r.req_id for r in reqs]))
-    return statistics.median(times) * 1000, statistics.median(cpu) * 1000
+    return {w: (statistics.median(times[w]) * 1000, statistics.median(cpu[w]) * 1000) for w in args.watch}
 
 
 def time_gemms(ex, n, args):
@@ -150,27 +174,35 @@ def main(argv=None):
     ap.add_argument("--quantization", default=None, help="none|int8|int4|auto (if the build has it)")
     ap.add_argument("--device", default=None, help="cpu|cuda|cuda:N (if the build has it)")
     ap.add_argument("--kernels", default=None, help="auto|fused|torch")
+    ap.add_argument("--watch", default="none", help="comma list of between-layers hooks, taking turns step by step: "
+                    "none, governor (the serving core's thread governor), every (a look before every layer)")
     ap.add_argument("--label", default=None, help="write rows under this change label into docs/BENCHMARKS.md")
     ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     args = ap.parse_args(argv)
     args.rows = [int(x) for x in args.rows.split(",") if x]
+    args.watch = [w for w in args.watch.split(",") if w]
+    if not args.watch or set(args.watch) - {"none", "governor", "every"}:
+        ap.error(f"--watch {','.join(args.watch)}: expected a comma list of none, governor, every")
     import torch
     ex = build(args)
     rows = []
     print(HEAD)
     for n in args.rows:
         with torch.inference_mode():
-            step = time_decode(ex, n, args)
-        gemm = time_gemms(ex, n, args)
+            steps = time_decode(ex, n, args)
+        gemm, gemm_c = time_gemms(ex, n, args)
         dev = str(getattr(ex, "device", "cpu"))
         q = getattr(ex, "quantization", "none")
-        (step, step_c), (gemm, gemm_c) = step, gemm
-        row = (f"| {args.label or '-'} | {q} | {n} | {step:.1f} ({step_c:.1f}) | {gemm:.1f} ({gemm_c:.1f}) "
-               f"| {step - gemm:.1f} ({step_c - gemm_c:.1f}) | {dev}, "
-               f"{torch.get_num_threads()} "
-               f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} |")
-        print(row, flush=True)
-        rows.append(row)
+        for w, (step, step_c) in steps.items():
+            label = (args.label or "-") + ("" if w == "none" else f" (hook: {w})")
+            row = (f"| {label} | {q} | {n} | {step:.1f} ({step_c:.1f}) | {gemm:.1f} ({gemm_c:.1f}) "
+                   f"| {step - gemm:.1f} ({step_c - gemm_c:.1f}) | {dev}, "
+                   f"{torch.get_num_threads()} "
+                   f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} |")
+            print(row, flush=True)
+            rows.append(row)
+    if "governor" in args.watch:   # a drop would time the rest at one thread: say so
+        print(f"governor: {args.governor.mid_step_drops} mid-step drop(s), threads now {args.governor.threads}")
     if args.label:
         write_rows(rows, Path(args.out))
         print(f"written to {args.out}")

@@ -126,7 +126,10 @@ def test_thread_count_changed_between_layers_keeps_the_tokens(ex, prompts, alone
     """The thread governor (engine/threads.py) may go from 2 threads to 1 in the middle of a
     forward, through the model's between_layers hook: every forward here switches to 1 thread
     before layer 5 and back to all before its next forward, and the tokens stay those of the
-    unswitched runs."""
+    unswitched runs. As the governor does, the hook asks for no look after its drop: on every
+    path, the fused one-call stack too (kernels.layer_stack, cut at each layer until then, as
+    the hook asks for its next look at once), it is called before layers 0..5 of every forward
+    and never later."""
     full, seen = torch.get_num_threads(), []
     if full < 2:
         pytest.skip("one CPU: no thread count to change")
@@ -137,15 +140,90 @@ def test_thread_count_changed_between_layers_keeps_the_tokens(ex, prompts, alone
             torch.set_num_threads(full)
         elif layer == 5:
             torch.set_num_threads(1)
+        return 0.0 if layer < 5 else None
     ex.watch_layers(hook)
     try:
         together = Loop(ex, seed=4).run(prompts, arrive=[i // 3 for i in range(len(prompts))])
     finally:
         ex.watch_layers(None)
         torch.set_num_threads(full)
-    if not seen:
-        pytest.skip("this path runs the layer stack in one call (kernels.forward_layers): no hook")
-    assert 5 in seen and together == alone
+    assert seen and seen == list(range(6)) * (len(seen) // 6)
+    assert together == alone
+
+
+def test_governor_looks_between_layers_of_every_path(ex, prompts):
+    """The core process's thread governor (engine/threads.py ThreadGovernor.between_layers, as
+    core_proc installs it) is called between layers on every path, the fused one-call stack
+    (kernels.layer_stack) included: with a 0 s probe it looks before every layer of every
+    forward (a `sharp` of 1 keeps it from dropping a thread: the test is about where it looks)."""
+    from shepherd.engine.threads import ThreadGovernor
+    full = torch.get_num_threads()
+    if full < 2:
+        pytest.skip("one CPU: the governor has nothing to govern")
+    gov = ThreadGovernor(full, torch.set_num_threads, probe=0.0, sharp=1.0)
+    seen = []
+
+    def hook(layer):
+        seen.append(layer)
+        return gov.between_layers(layer)
+    ex.watch_layers(hook)
+    try:
+        Loop(ex, seed=11).run(prompts[:2], new=2)
+    finally:
+        ex.watch_layers(None)
+        torch.set_num_threads(full)
+    n = len(ex.model.layers)
+    assert gov.threads == full and len(seen) >= 2 * n and seen == list(range(n)) * (len(seen) // n)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_layer_stack_cut_between_layers_equals_one_call(ex, prompts, page):
+    """The layer stack (kernels.layer_stack) cut into one C call per layer (a between_layers hook
+    asking for its next look at once), cut at each layer up to layer 7 and run on in one call, or
+    cut wherever a 1 ms budget runs out gives the logits bits of no hook (one call), on a ragged
+    step of prefills beside decodes, with the KV slots in shuffled pages of `page` tokens."""
+    m = ex.model
+    if getattr(m, "layer_ptrs", None) is None:
+        pytest.skip("this path calls one kernel per op")
+    pages = list(range(CAPACITY // page))
+    random.Random(9).shuffle(pages)
+    free = [p * page + i for p in pages for i in range(page)]
+    reqs = []
+    for i, p in enumerate(prompts[:8]):
+        r = Request(req_id=f"cut{page}-{i}", prompt_ids=list(p), params=SamplingParams(max_tokens=4, temperature=0.0))
+        n = -(-(len(p) + 2) // page) * page
+        r.slots, free = free[:len(p) + 2], free[n:]
+        reqs.append(r)
+    first, second = reqs[:4], reqs[4:]
+    calls = []
+
+    def run(hook) -> list:
+        ex.watch_layers(hook)
+        try:
+            with torch.inference_mode():
+                a, _ = ex.forward_logits(announced(ex, [seq(r, r.prompt_ids, 0, sample=True, fresh=True)
+                                                        for r in first]))
+                toks = a.argmax(-1).tolist()
+                mixed = [seq(r, [t], len(r.prompt_ids), sample=True) for r, t in zip(first, toks)]
+                mixed += [seq(r, r.prompt_ids, 0, sample=True, fresh=True) for r in second]
+                b, _ = ex.forward_logits(announced(ex, mixed))
+        finally:
+            ex.watch_layers(None)
+        return [a.clone(), b.clone()]
+
+    def every(layer):
+        calls.append(layer)
+        return 0.0
+    one = run(None)
+    cut = run(every)
+    assert calls == list(range(len(m.layers))) * 2
+    part = run(lambda layer: 0.0 if layer < 7 else None)
+    timed_calls = []
+    timed = run(lambda layer: timed_calls.append(layer) or 0.001)
+    assert len(timed_calls) > 2     # the prefills' layers take over 1 ms: the stack was cut
+    assert all(torch.equal(x, y) for x, y in zip(one, cut)), "one call per layer changed the logits"
+    assert all(torch.equal(x, y) for x, y in zip(one, part)), "cut up to layer 7 changed the logits"
+    assert all(torch.equal(x, y) for x, y in zip(one, timed)), "cut at a time budget changed the logits"
 
 
 def test_16_concurrent_with_chunked_prefill(ex, prompts, alone):

@@ -575,7 +575,8 @@ def test_thread_governor_drops_in_the_middle_of_a_step_another_process_stretches
     for a CPU more than `sharp` of the time between them goes to one thread before its next
     layer; a quiet step, a long one with both CPUs (neither reads /proc), a single-threaded
     stretch nobody waits in, a wait below `sharp` and short looks never two in a row do not.
-    At one thread nothing is read."""
+    At one thread nothing is read, and the hook tells the model it wants no more layers (so the
+    model runs the rest of its layer stack in one C call)."""
     from shepherd.engine.threads import ThreadGovernor
     now, cpu, main, reads, calls = [0.0], [0.0], [0, 0], [], []
 
@@ -592,7 +593,8 @@ def test_thread_governor_drops_in_the_middle_of_a_step_another_process_stretches
         wait for a CPU). Returns the layer before which it dropped to one thread (-1: never)."""
         for li, (dt, cpus, waiting) in enumerate(layers):
             before = len(calls)
-            gov.between_layers(li)
+            wait = gov.between_layers(li)       # s to its next look; None: no more (at one thread)
+            assert (wait is not None) == (gov.threads > 1) and (wait is None or 0 < wait <= gov.probe)
             if len(calls) > before:
                 return li
             now[0] += dt

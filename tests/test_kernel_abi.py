@@ -47,7 +47,7 @@ def test_swapped_arguments_fail_at_load_naming_kernel_and_argument(cdll):
     sig = row("forward_bf16").sig.replace("int64_t H, int64_t KVH,", "int64_t KVH, int64_t H,")
     if kernel_abi.bind(cdll).forward_bf16 is None:
         pytest.skip("no AVX-512: forward_bf16 is not built here")
-    with pytest.raises(KernelABIError, match=r"forward_bf16: argument 12 is 'int64_t H' in kernels.c "
+    with pytest.raises(KernelABIError, match=r"forward_bf16: argument 13 is 'int64_t H' in kernels.c "
                                              r"but 'int64_t KVH' in kernel_abi.KERNELS"):
         kernel_abi.bind(cdll, with_sig("forward_bf16", sig))
 

@@ -262,6 +262,28 @@ def test_batch_invariance_across_adapters(bf16_executor, adapters):
     assert got[2] == alone[0] and got[4] == alone[1] and got[5] == alone[2]
 
 
+def test_layer_stack_cut_between_layers_with_adapters(bf16_executor, adapters):
+    """The one-call layer stack (kernels.layer_stack) cut at every layer, as it runs while the
+    thread governor's hook asks for a look at once, or cut up to layer 9 and then run in one call,
+    gives the tokens and logprobs of the uncut call, bit for bit, with adapter rows beside base
+    rows (the LoRA records are indexed by layer in the C loop) and prefill chunks beside decodes."""
+    prompts = adapters[0]
+    ex = bf16_executor
+    if getattr(ex.model, "layer_ptrs", None) is None:
+        pytest.skip("this path calls one kernel per op")
+    jobs = [("a1", prompts[0]), (None, prompts[1]), ("a2", prompts[2]), ("a2", prompts[0])]
+    one = greedy(ex, jobs, NEW, chunk=7, step0=300)
+    seen = []
+    for k, hook in enumerate((lambda layer: seen.append(layer) or 0.0, lambda layer: 0.0 if layer < 9 else None)):
+        ex.watch_layers(hook)
+        try:
+            cut = greedy(ex, jobs, NEW, chunk=7, step0=400 + 100 * k)
+        finally:
+            ex.watch_layers(None)
+        assert cut == one, f"hook {k}: a cut layer stack changed the tokens or logprobs"
+    assert seen[:len(ex.model.layers)] == list(range(len(ex.model.layers)))
+
+
 # ---------------------------------------------------------------- bad adapter files
 def _write(folder, config, tensors):
     from safetensors.torch import save_file

@@ -42,10 +42,12 @@ barrier of the step waited for the partner thread behind the other process).
 The governor's ticks come between steps, so it saw that step only when it
 was over. At one thread the same attack left the steps at ~25 ms.
 Going back to all threads keeps the two-window rule: a burst costs a part of
-one step, and the count comes back when the cores are idle. The model calls
-the hook only where it runs layer by layer: kernels.forward_layers, one C
-call for the whole stack (on AVX-512F CPUs since 0f973e1, this Xeon too),
-has no point between, so there only the window rule acts.
+one step, and the count comes back when the cores are idle. Where the model
+runs the layer stack in one C call (kernels.layer_stack, on AVX-512F CPUs
+since 0f973e1, this Xeon too), that call returns at the first layer boundary
+after the time the hook asked for (every `probe` s, at 2 threads or more) and
+the hook looks there, so the rule acts on that path too; at one thread the
+rest of the stack runs in one call.
 
 Measured wait shares: 7-8 % beside one busy process when the kernel placed
 it well (the request then took 1.7x its quiet time at two threads), 39-52 %
@@ -150,26 +152,28 @@ class ThreadGovernor:
         log.debug("engine threads %d: run-queue wait %.1f%%, %.2f CPUs idle", self.threads, 100 * share, idle_cpus)
         self.decide(share, idle_cpus)
 
-    def between_layers(self, layer: int) -> None:
-        """The model's hook before each layer of a forward (model/llama.py): the mid-step rule of
-        the module doc. A clock read per layer; a look every `probe` s, the first at the
-        forward's first layer (the time between two steps is not a step's)."""
+    def between_layers(self, layer: int) -> Optional[float]:
+        """The model's hook before a layer of a forward (model/llama.py): the mid-step rule of
+        the module doc. A look every `probe` s, the first at the forward's first layer (the time
+        between two steps is not a step's). Returns the seconds until it wants its next look
+        (the one-call layer stack runs until the first layer boundary past them), or None at
+        one thread, where it has nothing to look for (the model runs the rest in one call)."""
         if self.threads < 2:
-            return
+            return None
         now = self.clock()
         t0, cpu0, sched0 = self._look
         if layer and now - t0 < self.probe:
-            return
+            return self.probe - (now - t0)    # called early: the per-op paths call every layer
         cpu = self.cpu_clock()
         short = layer > 0 and (cpu - cpu0) / (now - t0) < self.threads * (1.0 - self.contended)
         sched = self._times_fn() if short else None
         self._look = (now, cpu, sched)
         if sched is None or sched0 is None:
-            return
+            return self.probe
         d_run, d_wait = sched[0] - sched0[0], sched[1] - sched0[1]
         share = d_wait / (d_run + d_wait) if d_run + d_wait > 0 else 0.0
         if share <= self.sharp:
-            return
+            return self.probe
         cpus = (cpu - cpu0) / (now - t0)
         self.mid_step_drops += 1
         log.info("engine threads %d -> 1 in a step (the cores are shared: over the last %.0f ms our threads "
@@ -179,6 +183,7 @@ class ThreadGovernor:
         self.set_threads(1)
         # the window rule measures the next window at one thread
         self._last, self._times, self._idle = now, sched, cpu_idle(self.cpus)
+        return None
 
     def decide(self, wait_share: float, idle_cpus: float) -> None:
         """One window's figures: the share of time our threads waited for a CPU, and how many of

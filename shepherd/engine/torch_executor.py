@@ -393,8 +393,11 @@ class TorchExecutor:
         return res
 
     def watch_layers(self, hook) -> None:
-        """Call `hook(layer index)` before each layer of the model's forward (model/llama.py's
-        between_layers; the core process's thread governor, engine/threads.py)."""
+        """Call `hook(layer index)` before layers of the model's forward: before its first layer,
+        then again at the latest before the first layer that starts the seconds it returned
+        later (the per-op paths call it before every layer), and not again in that forward once
+        it returns None (model/llama.py's between_layers; the core process's thread governor,
+        engine/threads.py). hook None: none, the layer stack in one call."""
         self.model.between_layers = hook
 
     def grammar_ready(self, spec: tuple[str, str]) -> bool:

@@ -85,13 +85,14 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("bf16_mm", "void(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, "
            "const uint16_t *bias, void *y, int out_f32, int dp)", nullable=("bias",), guard="has_bf16_mm"),
     Kernel("forward_bf16_supports", "int(int64_t H, int64_t KVH, int64_t hd)"),
-    Kernel("forward_bf16", "void(int64_t L, const int64_t *lw, uint16_t *x, uint16_t *h, uint16_t *qkv, "
-           "uint16_t *att, uint16_t *gu, uint16_t *act, uint16_t *tmp, float *xf, int64_t M, int64_t D, "
+    Kernel("forward_bf16", "int64_t(int64_t l0, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *h, "
+           "uint16_t *qkv, uint16_t *att, uint16_t *gu, uint16_t *act, uint16_t *tmp, float *xf, int64_t M, int64_t D, "
            "int64_t H, int64_t KVH, int64_t hd, int64_t I, const int64_t *pos, const float *cos_t, "
            "const float *sin_t, uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots, "
            "const int64_t *slot_tab, const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, "
            "float eps, int dp, const int64_t *lora, int64_t lora_slots, const int64_t *lrows, "
-           "const int64_t *litems, const int64_t *lslot, int64_t nitems)", nullable=("lora", "lrows", "litems", "lslot"),
+           "const int64_t *litems, const int64_t *lslot, int64_t nitems, float until)",
+           nullable=("lora", "lrows", "litems", "lslot"),
            guard="has_bf16_mm"),
     Kernel("has_w8_mm", "int(void)"),
     Kernel("w8_mm_bf16", "void(const uint16_t *x, int64_t rows, int64_t K, const int8_t *w, const float *s, "
@@ -99,7 +100,7 @@ KERNELS: tuple[Kernel, ...] = (
 )
 
 _SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
-_RESTYPES = {"void": None, "int": ctypes.c_int}
+_RESTYPES = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64}
 
 
 @dataclass(frozen=True)

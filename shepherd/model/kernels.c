@@ -786,8 +786,13 @@ KERNEL(void, bf16_mm, const uint16_t *x, int64_t rows, int64_t K, const uint16_t
  * barriers that end each `omp for`, and the threads stay in one region for the whole stack.
  * lw: LW_N pointers per layer (kernel_abi.LAYER_WEIGHTS, the generated LW_* enum); 0 for no qkv
  * bias, and for the last layer's next norm.
- * On entry h = rmsnorm(x) * ln1 of layer 0; on return x is the residual stream after the last
- * layer (h, qkv, att, gu, act, tmp: scratch of M rows; xf: M * max(K) floats, FMA form only). */
+ * It runs layers l0..L-1 of the table (lw, pool and lora are the whole model's), or stops early
+ * at a time budget (`until`), and returns the layer it stopped before (L: all done). On entry
+ * h = rmsnorm(x) * ln1 of layer l0; on return x is the residual stream after layer L-1, and, where
+ * L is not the last layer, h = rmsnorm(x) * ln1 of layer L (its LN1_NEXT), the entry state of a call
+ * that starts there, so calls over [0, a), [a, b), ... give the one call's bits (kernels.py
+ * LayerStack; the thread governor's look between layers, engine/threads.py).
+ * (h, qkv, att, gu, act, tmp: scratch of M rows; xf: M * max(K) floats, FMA form only). */
 KERNEL(int, forward_bf16_supports, int64_t H, int64_t KVH, int64_t hd) {
 #if defined(__AVX512F__)
     return hd % 32 == 0 && hd / 32 <= AMAXC && H % KVH == 0 && H / KVH <= AMAXG;
@@ -804,17 +809,22 @@ static inline void mm_in_region(const uint16_t *x, float *xf, int64_t M, int64_t
     bf16_mm_items(x, xf, M, K, PTR(const uint16_t *, w), N, PTR(const uint16_t *, bias), y, 0, dp);
 }
 
-KERNEL(void, forward_bf16, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *h, uint16_t *qkv,
+KERNEL(int64_t, forward_bf16, int64_t l0, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *h, uint16_t *qkv,
        uint16_t *att, uint16_t *gu, uint16_t *act, uint16_t *tmp, float *xf, int64_t M, int64_t D, int64_t H,
        int64_t KVH, int64_t hd, int64_t I, const int64_t *pos, const float *cos_t, const float *sin_t,
        uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots, const int64_t *slot_tab,
        const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, float eps, int dp,
        const int64_t *lora, int64_t lora_slots, const int64_t *lrows, const int64_t *litems, const int64_t *lslot,
-       int64_t nitems) {
+       int64_t nitems, float until) {
 #if !defined(__AVX512BF16__)
     dp = 0;   /* as bf16_mm: there is no dp form in this build */
 #endif
     const int64_t W = (H + 2 * KVH) * hd, npad = (max_ctx + 15) / 16 * 16;
+    /* until >= 0: return after the first layer that ends `until` s or more after this call began
+     * (the caller's between-layers hook wants to look then); the master thread reads the clock
+     * before the layer's last `omp for`, whose closing barrier shows every thread its answer */
+    const double deadline = until >= 0 ? bf_now() + until : 0;
+    int64_t next = L;
     /* lora (NULL: no row of the step has an adapter): the records, [L][LL_N][lora_slots][LR_N];
      * each linear's update is added to its output before the op that reads it */
 #define LORA(ll, xin, K, yout, ldy) \
@@ -822,7 +832,7 @@ KERNEL(void, forward_bf16, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *
     #pragma omp parallel
     {
         float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(H / KVH * npad + 16));
-        for (int64_t l = 0; l < L; l++) {
+        for (int64_t l = l0; l < L; l++) {
             const int64_t *p = lw + l * LW_N;
             uint16_t *pl = pool + l * layer_elems;
             const uint16_t *ln2 = PTR(const uint16_t *, p[LW_LN2]), *ln1 = PTR(const uint16_t *, p[LW_LN1_NEXT]);
@@ -841,12 +851,16 @@ KERNEL(void, forward_bf16, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *
             for (int64_t r = 0; r < M; r++) silu_mul_row_bf16(r, gu, act, I);
             mm_in_region(act, xf, M, I, p[LW_DOWN], D, 0, tmp, dp);
             LORA(LL_DOWN, act, I, tmp, D);
+            #pragma omp master
+            if (until >= 0 && l + 1 < L && bf_now() >= deadline) next = l + 1;
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) rmsnorm_row_bf16(r, x, tmp, x, ln1, ln1 ? h : NULL, D, eps);
+            if (next < L) break;   /* all threads: `next` was written before the barrier above */
         }
         free(sc);
     }
 #undef LORA
+    return next;
 }
 #undef PTR
 #endif

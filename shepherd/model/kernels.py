@@ -14,6 +14,7 @@ checked at load: a library that disagrees with it raises KernelABIError instead 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -21,7 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -202,13 +203,13 @@ class Kernels:
         self.w8 = dtype == torch.bfloat16 and bool(lib.has_w8_mm())          # int8 weights x bf16
 
     def forward_supports(self, H: int, KVH: int, hd: int) -> bool:
-        """Whether forward_layers (the layer stack in one call) runs this head shape here."""
+        """Whether layer_stack (the layer stack in one call) runs this head shape here."""
         return (self.bf16_mm and self.lib.forward_bf16 is not None
                 and bool(self.lib.forward_bf16_supports(H=H, KVH=KVH, hd=hd)))
 
     @staticmethod
     def layer_weights(layers: list[dict[str, Optional[torch.Tensor]]]) -> torch.Tensor:
-        """forward_layers' `lw`: each layer's tensors keyed by kernel_abi.LAYER_WEIGHTS names, as
+        """layer_stack's `lw`: each layer's tensors keyed by kernel_abi.LAYER_WEIGHTS names, as
         int64 pointers in that order (0 for None). The tensors must outlive the table."""
         rows = []
         for L in layers:
@@ -217,27 +218,32 @@ class Kernels:
             rows += [0 if L[n] is None else L[n].data_ptr() for n in kernel_abi.LAYER_WEIGHTS]
         return torch.tensor(rows, dtype=torch.int64)
 
-    def forward_layers(self, *, lw, x, h, H, KVH, hd, I, pos, cos, sin, kv_pool, slots, slot_tab, off, ctx,
-                       max_ctx, scale, eps, lora=None, lora_rows=None) -> None:
-        """All layers at once (kernels.c forward_bf16): x [T, D] is updated in place to the residual
-        stream after the last layer; h [T, D] holds rmsnorm(x) * ln1 of layer 0 on entry (scratch
-        after). lw: layer_weights' table. lora: the LoRA records [L, linears, slots, fields]
-        (model/lora.py) and lora_rows the step's LoraRows, or None (no row has an adapter)."""
+    def layer_stack(self, *, lw, x, h, H, KVH, hd, I, pos, cos, sin, kv_pool, slots, slot_tab, off, ctx,
+                    max_ctx, scale, eps, lora=None, lora_rows=None) -> Callable[..., None]:
+        """One forward's layer stack (kernels.c forward_bf16) as `run(l0=a, L=b, until=s)`: layers
+        a..b-1, or, with s >= 0, only up to the first layer that ends s seconds or more after the
+        call began; it returns the layer it stopped before (b: all done). x [T, D] is updated in
+        place to the residual stream after the last layer run; h [T, D] holds rmsnorm(x) * ln1 of
+        layer a on entry and of the returned layer on return (scratch after the last layer), so
+        run(l0=0, L=n, until=-1) and runs over [0, a), [a, b), ..., [., n) give the same bits.
+        lw: layer_weights' table. lora: the LoRA records [L, linears, slots, fields] (model/lora.py)
+        and lora_rows the step's LoraRows, or None (no row has an adapter). The scratch rows are
+        allocated here, once per forward, not once per range."""
         T, D = x.shape
         W = (H + 2 * KVH) * hd
         e = lambda n: torch.empty((T, n), dtype=torch.bfloat16)
-        qkv, att, gu, act, tmp = e(W), e(H * hd), e(2 * I), e(I), e(D)
         dp = self.bf16_form == "dpbf16"
         xf = torch.empty(0 if dp else T * max(D, H * hd, I), dtype=torch.float32)
-        self.lib.forward_bf16(L=kv_pool.shape[0], lw=lw, x=x, h=h, qkv=qkv, att=att, gu=gu, act=act, tmp=tmp, xf=xf,
-                              M=T, D=D, H=H, KVH=KVH, hd=hd, I=I, pos=pos, cos_t=cos, sin_t=sin, pool=kv_pool,
-                              layer_elems=kv_pool[0].numel(), cap1=kv_pool.shape[2], slots=slots, slot_tab=slot_tab,
-                              off=off, ctx=ctx, max_ctx=max_ctx, scale=scale, eps=eps, dp=int(dp),
-                              lora=None if lora_rows is None else lora, lora_slots=0 if lora is None else lora.shape[2],
-                              lrows=None if lora_rows is None else lora_rows.lrows,
-                              litems=None if lora_rows is None else lora_rows.litems,
-                              lslot=None if lora_rows is None else lora_rows.lslot,
-                              nitems=0 if lora_rows is None else lora_rows.nitems)
+        return functools.partial(
+            self.lib.forward_bf16, lw=lw, x=x, h=h, qkv=e(W), att=e(H * hd), gu=e(2 * I), act=e(I), tmp=e(D), xf=xf,
+            M=T, D=D, H=H, KVH=KVH, hd=hd, I=I, pos=pos, cos_t=cos, sin_t=sin, pool=kv_pool,
+            layer_elems=kv_pool[0].numel(), cap1=kv_pool.shape[2], slots=slots, slot_tab=slot_tab,
+            off=off, ctx=ctx, max_ctx=max_ctx, scale=scale, eps=eps, dp=int(dp),
+            lora=None if lora_rows is None else lora, lora_slots=0 if lora is None else lora.shape[2],
+            lrows=None if lora_rows is None else lora_rows.lrows,
+            litems=None if lora_rows is None else lora_rows.litems,
+            lslot=None if lora_rows is None else lora_rows.lslot,
+            nitems=0 if lora_rows is None else lora_rows.nitems)
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
         """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""

@@ -217,12 +217,16 @@ class LlamaModel:
         native_bf16 = self.device.type != "cpu" or cpu_has_bf16_dot()
         self.attn_min_rows = 1 if dtype == torch.bfloat16 and native_bf16 else 8
         self.row_tile = 0
-        self.whole_forward = True   # False: one kernel call per op even where forward_layers applies
+        self.whole_forward = True   # False: one kernel call per op even where layer_stack applies
         self.lora: Optional[LoraPool] = None   # the executor's adapter slots, when it serves LoRA adapters
-        # called with the layer's index before each layer of a forward that runs layer by layer
-        # (not inside forward_layers' single call): engine/threads.py's ThreadGovernor drops to
-        # one OpenMP thread in the middle of a step that another process is stretching
-        self.between_layers: Optional[Callable[[int], None]] = None
+        # called with the layer's index before a layer of a forward: engine/threads.py's
+        # ThreadGovernor drops to one OpenMP thread in the middle of a step that another process is
+        # stretching. It returns in how many seconds it wants to be called again (before the first
+        # layer that starts then), or None: not again in this forward. The per-op paths call it
+        # before every layer until None; where the stack runs in one C call (kernels.layer_stack),
+        # that call returns at the first layer boundary past the time asked for, and runs the rest
+        # of the stack in one go after a None (the governor: at one thread)
+        self.between_layers: Optional[Callable[[int], Optional[float]]] = None
         esz = torch.empty((), dtype=dtype).element_size()
         self._word = torch.int64 if (self.hd * esz) % 8 == 0 else dtype
         W = weights
@@ -265,7 +269,7 @@ class LlamaModel:
         self.layer_ptrs = self._layer_ptrs()
 
     def _layer_ptrs(self) -> Optional[torch.Tensor]:
-        """The weight table kernels.forward_layers walks (Kernels.layer_weights), where every linear
+        """The weight table kernels.layer_stack walks (Kernels.layer_weights), where every linear
         layer is a bf16_mm one; None: the forward calls one kernel per op."""
         k = self.kernels
         if k is None or not k.forward_supports(self.H, self.KVH, self.hd):
@@ -323,8 +327,8 @@ class LlamaModel:
         word = self._word
         hook = self.between_layers
         for li, L in enumerate(self.layers):
-            if hook is not None:
-                hook(li)
+            if hook is not None and hook(li) is None:
+                hook = None     # it has seen enough of this forward
             h = self.rms_norm(x, L["ln1"])
             qkv = self._lora(li, "qkv", h, L["qkv"](h), inp)             # [T, q | k | v]
             qk = qkv[:, : qs + ks].view(T, H + KVH, hd)
@@ -354,16 +358,25 @@ class LlamaModel:
         x = F.embedding(inp.input_ids, self.embed)
         h = k.rmsnorm(x, self.layers[0]["ln1"], eps)
         if self.layer_ptrs is not None and self.whole_forward:
-            k.forward_layers(lw=self.layer_ptrs, x=x, h=h, H=H, KVH=KVH, hd=hd, I=self.I, pos=inp.positions,
-                             cos=self.cos_half, sin=self.sin_half, kv_pool=kv_pool, slots=inp.slots,
-                             slot_tab=inp.slot_tab, off=inp.row_off, ctx=inp.row_ctx, max_ctx=inp.max_ctx,
-                             scale=self.scale, eps=eps, lora=None if self.lora is None else self.lora.table,
-                             lora_rows=inp.lora_rows)
+            run = k.layer_stack(lw=self.layer_ptrs, x=x, h=h, H=H, KVH=KVH, hd=hd, I=self.I, pos=inp.positions,
+                                cos=self.cos_half, sin=self.sin_half, kv_pool=kv_pool, slots=inp.slots,
+                                slot_tab=inp.slot_tab, off=inp.row_off, ctx=inp.row_ctx, max_ctx=inp.max_ctx,
+                                scale=self.scale, eps=eps, lora=None if self.lora is None else self.lora.table,
+                                lora_rows=inp.lora_rows)
+            # the stack is cut only where the hook asks for a look (a cut at every layer cost
+            # 1.0-1.6 ms of a 13 ms one-row decode step: benchmarks/step_time.py --watch every);
+            # x and h carry the state from one call to the next
+            n, li, hook = len(self.layers), 0, self.between_layers
+            while li < n:
+                wait = None if hook is None else hook(li)
+                if wait is None:
+                    hook = None
+                li = run(l0=li, L=n, until=-1.0 if wait is None else wait)
             return self._logits(x, inp)
         hook = self.between_layers
         for li, L in enumerate(self.layers):
-            if hook is not None:
-                hook(li)
+            if hook is not None and hook(li) is None:
+                hook = None     # it has seen enough of this forward
             pool = kv_pool[li]
             qkv = self._lora(li, "qkv", h, L["qkv"](h), inp)
             k.rope_kv(qkv, H, KVH, hd, inp.positions, self.cos_half, self.sin_half, pool, inp.slots)
