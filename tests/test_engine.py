@@ -569,6 +569,25 @@ def test_thread_governor_drops_to_one_thread_under_contention_and_comes_back():
     assert idle is None or idle[1] > 0
 
 
+def test_mid_step_rule_is_asked_for_on_the_one_call_stack(monkeypatch):
+    """engine/core_proc.py: the governor watches the layers by default only where the model runs
+    them one by one; SHEPHERD_GOVERNOR_MID_STEP=1 / 0 turns it on / off on either path."""
+    from shepherd.engine.core_proc import mid_step_rule
+
+    class Ex:
+        def __init__(self, one_call):
+            self.one_call = one_call
+
+        def one_call_stack(self):
+            return self.one_call
+    monkeypatch.delenv("SHEPHERD_GOVERNOR_MID_STEP", raising=False)
+    assert mid_step_rule(Ex(False)) and not mid_step_rule(Ex(True))
+    monkeypatch.setenv("SHEPHERD_GOVERNOR_MID_STEP", "1")
+    assert mid_step_rule(Ex(False)) and mid_step_rule(Ex(True))
+    monkeypatch.setenv("SHEPHERD_GOVERNOR_MID_STEP", "0")
+    assert not mid_step_rule(Ex(False)) and not mid_step_rule(Ex(True))
+
+
 def test_thread_governor_drops_in_the_middle_of_a_step_another_process_stretches():
     """engine/threads.py's mid-step rule on a fake clock: a forward in which two looks in a row
     found the process short of CPUs (under threads x (1 - contended)) and its threads waited

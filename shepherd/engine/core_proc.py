@@ -103,12 +103,24 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     # team only for the initial thread; driven from another thread, every parallel region paid
     # for a fresh team and a decode step took 40 ms instead of 22 (benchmarks/omp_thread.py).
     gov = governor(cfg, threads)
-    if gov is not None and os.environ.get("SHEPHERD_GOVERNOR_MID_STEP", "1") != "0":
-        # the mid-step rule (threads.py); SHEPHERD_GOVERNOR_MID_STEP=0 leaves the window rule alone,
-        # for benchmarks/threads_contention.py and stall_attacks.py to measure the two side by side
+    if gov is not None and mid_step_rule(served.core.executor):
         served.core.executor.watch_layers(gov.between_layers)
     if not _serve(served, conn, log, gov):
         sys.exit(1)
+
+
+def mid_step_rule(executor) -> bool:
+    """Whether the thread governor's mid-step rule (threads.py) watches the model's layers:
+    SHEPHERD_GOVERNOR_MID_STEP=1 yes, =0 no (the window rule alone; benchmarks/threads_contention.py
+    and stall_attacks.py measure the two side by side), unset: only where the model runs layer by
+    layer. On the one-call layer stack (kernels.layer_stack, this Intel Xeon's default path) the
+    rule took the stall attacks' longest gaps from 0.20-1.09 s to 0.06-0.14 s but cost 64 served
+    streams 9-10 % of their tok/s (its cuts, and a false drop in each run; docs/SERVING.md), so
+    there it is asked for, not the default."""
+    want = os.environ.get("SHEPHERD_GOVERNOR_MID_STEP", "")
+    if want in ("0", "1"):
+        return want == "1"
+    return not executor.one_call_stack()   # a TorchExecutor: governor() is for --executor torch only
 
 
 def governor(cfg, threads: int):

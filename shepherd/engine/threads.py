@@ -46,8 +46,10 @@ one step, and the count comes back when the cores are idle. Where the model
 runs the layer stack in one C call (kernels.layer_stack, on AVX-512F CPUs
 since 0f973e1, this Xeon too), that call returns at the first layer boundary
 after the time the hook asked for (every `probe` s, at 2 threads or more) and
-the hook looks there, so the rule acts on that path too; at one thread the
-rest of the stack runs in one call.
+the hook looks there; at one thread the rest of the stack runs in one call.
+On that path the rule is off unless SHEPHERD_GOVERNOR_MID_STEP=1
+(engine/core_proc.py mid_step_rule): it cut the stall attacks' gaps to
+0.06-0.14 s but cost 64 served streams 9-10 % of their tok/s.
 
 Measured wait shares: 7-8 % beside one busy process when the kernel placed
 it well (the request then took 1.7x its quiet time at two threads), 39-52 %

@@ -392,6 +392,10 @@ class TorchExecutor:
         res.step_time = time.perf_counter() - t0
         return res
 
+    def one_call_stack(self) -> bool:
+        """Whether the model runs its layer stack in one C call (kernels.layer_stack)."""
+        return getattr(self.model, "layer_ptrs", None) is not None and self.model.whole_forward
+
     def watch_layers(self, hook) -> None:
         """Call `hook(layer index)` before layers of the model's forward: before its first layer,
         then again at the latest before the first layer that starts the seconds it returned
