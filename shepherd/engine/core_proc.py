@@ -115,7 +115,7 @@ def mid_step_rule(executor) -> bool:
     and stall_attacks.py measure the two side by side), unset: only where the model runs layer by
     layer. On the one-call layer stack (kernels.layer_stack, this Intel Xeon's default path) the
     rule took the stall attacks' longest gaps from 0.20-1.09 s to 0.06-0.14 s but cost 64 served
-    streams 9-10 % of their tok/s (its cuts, and a false drop in each run; docs/SERVING.md), so
+    streams 2-10 % of their tok/s (8 % over five pairs; a false drop in each run; docs/SERVING.md), so
     there it is asked for, not the default."""
     want = os.environ.get("SHEPHERD_GOVERNOR_MID_STEP", "")
     if want in ("0", "1"):

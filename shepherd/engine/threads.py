@@ -49,7 +49,7 @@ after the time the hook asked for (every `probe` s, at 2 threads or more) and
 the hook looks there; at one thread the rest of the stack runs in one call.
 On that path the rule is off unless SHEPHERD_GOVERNOR_MID_STEP=1
 (engine/core_proc.py mid_step_rule): it cut the stall attacks' gaps to
-0.06-0.14 s but cost 64 served streams 9-10 % of their tok/s.
+0.06-0.14 s but cost 64 served streams 2-10 % of their tok/s.
 
 Measured wait shares: 7-8 % beside one busy process when the kernel placed
 it well (the request then took 1.7x its quiet time at two threads), 39-52 %
