@@ -15,6 +15,7 @@ resident memory (RSS) while it runs.
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import threading
 import time
@@ -202,15 +203,26 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def children(pid: int) -> list[int]:
+    """The processes `pid` started, from any of its threads (a server may spawn from a worker thread)."""
+    out = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            kids = []
+        kids = children(todo.pop())
         out += kids
         todo += kids
     return out

@@ -16,27 +16,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from _openai_client import descendants
+
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    todo, seen = children(pid), []
-    while todo:
-        p = todo.pop()
-        seen.append(p)
-        todo += children(p)
-    return seen
 
 
 def cpu_io(pid: int) -> tuple[float, int, int]:

@@ -34,16 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shepherd.bench.loadgen import free_port, wait_healthy  # noqa: E402
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
+from _openai_client import children  # noqa: E402
 
 
 def one_request(url: str, max_tokens: int) -> str:

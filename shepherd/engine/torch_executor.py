@@ -394,7 +394,7 @@ class TorchExecutor:
 
     def one_call_stack(self) -> bool:
         """Whether the model runs its layer stack in one C call (kernels.layer_stack)."""
-        return getattr(self.model, "layer_ptrs", None) is not None and self.model.whole_forward
+        return self.model.layer_ptrs is not None and self.model.whole_forward
 
     def watch_layers(self, hook) -> None:
         """Call `hook(layer index)` before layers of the model's forward: before its first layer,
