@@ -203,20 +203,26 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def children(pid: int) -> list[int]:
-    """The processes `pid` started, from any of its threads (a server may spawn from a worker thread)."""
-    out = []
+def task_files(pid: int, name: str) -> dict[int, str]:
+    """tid -> the text of /proc/PID/task/TID/NAME for each thread of `pid` (threads that ended
+    meanwhile, or a process that is gone, are left out)."""
+    out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return out
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(k) for k in f.read().split()]
+            with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                out[int(tid)] = f.read()
         except OSError:
             continue
     return out
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started, from any of its threads (a server may spawn from a worker thread)."""
+    return [int(k) for text in task_files(pid, "children").values() for k in text.split()]
 
 
 def descendants(pid: int) -> list[int]:

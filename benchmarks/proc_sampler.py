@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from _openai_client import descendants
+from _openai_client import descendants, task_files
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -36,19 +36,7 @@ def cpu_io(pid: int) -> tuple[float, int, int]:
 
 def thread_sched(pid: int) -> dict[int, tuple[int, int]]:
     """tid -> (ns run, ns waited on a run queue)."""
-    out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                r, w, _ = f.read().split()
-            out[int(tid)] = (int(r), int(w))
-        except (OSError, ValueError):
-            continue
-    return out
+    return {tid: (int(t.split()[0]), int(t.split()[1])) for tid, t in task_files(pid, "schedstat").items()}
 
 
 @dataclass
