@@ -237,3 +237,164 @@ def test_large_messages_to_a_busy_core_under_uvloop():
         uvloop.run(main())
     finally:
         engine.close()
+
+
+def proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_large_send_to_a_busy_core_leaves_the_event_loop_running():
+    """While the core does not read (stopped, as inside a long step), requests worth more than the
+    socket buffer are sent: the server's event loop must go on running other callbacks (every other
+    stream, /health) meanwhile, not wait in the send until the core reads. The core is let go only
+    once the loop has shown it runs (or after 10 s, recorded as a failure)."""
+    import asyncio
+    import threading
+
+    import uvloop
+
+    from shepherd.request import SamplingParams
+
+    engine = CoreProcessEngine(EngineConfig(executor="sim", max_total_tokens=8192), log_level="warning")
+    loop_ran, held = threading.Event(), []
+
+    def let_the_core_read():
+        if not loop_ran.wait(10):
+            held.append("the event loop ran nothing for 10 s while a send to the busy core was pending")
+        os.kill(engine.pid, signal.SIGCONT)
+
+    async def main():
+        await engine.start()
+        try:
+            os.kill(engine.pid, signal.SIGSTOP)
+            wait_for(lambda: proc_state(engine.pid) == "T", 10, "the core to stop")
+            prompts = [[1 + (i * 7 + j) % 900 for j in range(2000)] for i in range(60)]    # ~0.5 MB pickled
+            streams = [engine.submit(p, SamplingParams(max_tokens=2)) for p in prompts]  # one flush, next turn
+            threading.Thread(target=let_the_core_read, daemon=True).start()
+            for _ in range(100):            # loop turns: the flush runs in the first
+                await asyncio.sleep(0)
+                if held or engine.unsent_bytes:
+                    break
+            assert not held, held[0]
+            unsent = engine.unsent_bytes    # read while the core is still stopped
+            loop_ran.set()
+            assert unsent > 0, "the message fit in the socket buffer: make it larger"
+
+            async def last(stream):
+                await stream
+                return [o async for o in stream][-1]
+            outs = await asyncio.wait_for(asyncio.gather(*(last(s) for s in streams)), 60)
+            assert all(o.finished and not o.error for o in outs), [o.error for o in outs if o.error][:1]
+            assert engine.alive and engine.unsent_bytes == 0
+        finally:
+            loop_ran.set()
+            await engine.stop()
+    try:
+        uvloop.run(main())
+    finally:
+        engine.close()
+
+
+def _pipe_on_loop(loop, conn):
+    from shepherd.engine.pipe_io import FrameReader, PipeWriter
+    errors: list = []
+    return PipeWriter(loop, conn.fileno(), errors.append), FrameReader(conn.fileno()), errors
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_pipe_io_speaks_connection_wire_format_both_ways(loop_kind):
+    """The loop's end (pipe_io) and a plain blocking Connection (the core's end) understand each other:
+    messages on both sides of the 16 KB and socket-buffer sizes, in order, whole; the writer never
+    waits for a peer that does not read, and later sends queue behind a pending one."""
+    import asyncio
+    import multiprocessing
+    import threading
+
+    import uvloop
+
+    ours, peer = multiprocessing.Pipe(duplex=True)
+    msgs = [("small", 1), list(range(4000)), b"x" * 16379, b"y" * 16380, b"z" * 300_000,
+            {"big": "w" * 1_000_000}, None]
+    peer_may_read, got_by_peer = threading.Event(), []
+
+    def peer_side():
+        peer_may_read.wait()
+        for _ in msgs:
+            got_by_peer.append(peer.recv())
+        for m in msgs:                          # and back: each larger one arrives in pieces
+            peer.send(m)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        writer, reader, errors = _pipe_on_loop(loop, ours)
+        t = threading.Thread(target=peer_side, daemon=True)
+        t.start()
+        for m in msgs:
+            writer.send(m)                      # the peer reads nothing yet: returns at once
+        assert writer.pending_bytes > 200_000
+        ticked = loop.create_future()
+        loop.call_soon(ticked.set_result, True)
+        assert await ticked                     # the loop runs other callbacks meanwhile
+        peer_may_read.set()
+        await asyncio.wait_for(writer.drained(), 30)
+        assert writer.pending_bytes == 0
+        got: list = []
+        done = loop.create_future()
+
+        def readable():
+            got.extend(reader.read())
+            if len(got) >= len(msgs) and not done.done():
+                done.set_result(None)
+        loop.add_reader(ours.fileno(), readable)
+        try:
+            await asyncio.wait_for(done, 30)
+        finally:
+            loop.remove_reader(ours.fileno())
+        t.join(10)
+        assert got_by_peer == msgs and got == msgs and not errors
+        writer.close()
+    try:
+        (uvloop.run if loop_kind == "uvloop" else asyncio.run)(main())
+    finally:
+        ours.close()
+        peer.close()
+
+
+def test_pipe_io_frames_match_cpython_and_end_of_file_is_told():
+    """Frames as CPython's Connection writes them (a 4-byte signed length; -1 and an 8-byte length for
+    huge ones, here forged small), read by both; a message cut by EOF is an OSError after the whole
+    ones before it; a write to a closed peer calls on_error once."""
+    import asyncio
+    import multiprocessing
+    import pickle
+    import struct
+
+    from shepherd.engine.pipe_io import FrameReader, PipeWriter, frame
+
+    assert frame("hi")[:4] == struct.pack("!i", len(pickle.dumps("hi")))
+    a, b = multiprocessing.Pipe(duplex=True)
+    payload = pickle.dumps({"huge": "header"})
+    huge = struct.pack("!i", -1) + struct.pack("!Q", len(payload)) + payload
+    os.write(a.fileno(), huge)
+    assert b.recv() == {"huge": "header"}        # CPython reads the huge form
+    b.send([1, 2])
+    os.write(b.fileno(), huge)
+    os.write(b.fileno(), frame("cut")[:-2])
+    reader = FrameReader(a.fileno())
+    assert reader.read() == [[1, 2], {"huge": "header"}]
+    b.close()
+    with pytest.raises(OSError, match="end of file"):
+        reader.read()
+    assert reader.eof
+
+    async def write_to_gone_peer():
+        errors: list = []
+        writer = PipeWriter(asyncio.get_running_loop(), a.fileno(), errors.append)
+        writer.send(b"x" * 1_000_000)
+        await asyncio.wait_for(writer.drained(), 10)
+        assert len(errors) == 1 and isinstance(errors[0], (BrokenPipeError, ConnectionResetError)), errors
+        with pytest.raises(BrokenPipeError):
+            writer.send("more")
+    asyncio.run(write_to_gone_peer())
+    a.close()

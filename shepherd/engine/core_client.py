@@ -6,10 +6,14 @@
     ... same API as Engine (engine.py) ...
     await engine.stop()                            # SHUTDOWN, join; terminate/kill if it does not go
 
-The pipe is read on the event loop (loop.add_reader): no extra thread in the
-server process, so nothing there competes with the core's cores for the GIL
-or the CPU except the HTTP work itself. Intake items submitted in one
-event-loop turn go out as one message.
+The pipe is read and written on the event loop (loop.add_reader / add_writer,
+engine/pipe_io.py): no extra thread in the server process, so nothing there
+competes with the core's cores for the GIL or the CPU except the HTTP work
+itself. Intake items submitted in one event-loop turn go out as one message.
+The loop never waits for the core: a message larger than the socket buffer
+sent while the core is inside a step goes out as the core reads it, later
+messages queue behind it, and the core's messages are taken whole from what
+has arrived. The core's end is a plain blocking Connection (same wire format).
 
 Failure: EOF on the pipe or a ("crash", message) from the core means the core
 is gone; so does silence: with requests pending and no message from the core
@@ -23,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 import signal
 import threading
 import time
@@ -33,6 +36,7 @@ from shepherd.config import ConfigError, EngineConfig
 from shepherd.engine.core_loop import SHUTDOWN, WATCHDOG_EXIT_CODE, CoreStep
 from shepherd.engine.core_proc import core_main
 from shepherd.engine.engine import EngineFront
+from shepherd.engine.pipe_io import FrameReader, PipeWriter
 
 logger = logging.getLogger("shepherd.engine")
 
@@ -54,6 +58,8 @@ class CoreProcessEngine(EngineFront):
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_tid: Optional[int] = None
         self._outbox: list = []
+        self._reader: Optional[FrameReader] = None     # the pipe on the loop, from start() on
+        self._writer: Optional[PipeWriter] = None
         self._lock = threading.Lock()
         self._last_recv = time.monotonic()
         self._sent_at: Optional[float] = None    # oldest send not answered by a message yet
@@ -84,6 +90,11 @@ class CoreProcessEngine(EngineFront):
         return msg
 
     @property
+    def unsent_bytes(self) -> int:
+        """Bytes sent to the core that its socket has not taken yet (it reads between two steps)."""
+        return self._writer.pending_bytes if self._writer is not None else 0
+
+    @property
     def alive(self) -> bool:
         return self._dead is None and self._running and self.proc.is_alive()
 
@@ -95,13 +106,13 @@ class CoreProcessEngine(EngineFront):
         logger.info("KV cache: capacity %d tokens (host pool %d tokens), max_model_len %d, model %s, executor %s, "
                     "engine core pid %d", self.kv_capacity, self.host_kv_capacity, self.max_model_len,
                     self.model_name, self.cfg.executor, self.proc.pid)
-        self._loop.add_reader(self._conn.fileno(), self._on_readable)
-        # uvloop's add_reader (libuv's uv_poll) makes the fd non-blocking, and Connection.send/recv
-        # then fail part-way through a message larger than the socket buffer (BlockingIOError):
-        # ten 130 KB json_schema requests sent while the core was in a step made the server
-        # declare a live core dead ("engine core process died: still running"). Blocking, a
-        # large send waits until the core reads it, between two of its steps.
-        os.set_blocking(self._conn.fileno(), True)
+        # From here the loop owns the fd, non-blocking (uvloop's add_reader makes it so anyway, and
+        # Connection.send/recv then fail part-way through a message larger than the socket buffer):
+        # the core reads only between two steps, and a blocking send would hold the loop until then.
+        fd = self._conn.fileno()
+        self._reader = FrameReader(fd)
+        self._writer = PipeWriter(self._loop, fd, self._on_write_error)
+        self._loop.add_reader(fd, self._on_readable)
         self._running = True
         self._loop.call_later(1.0, self._check_hang)
 
@@ -123,10 +134,11 @@ class CoreProcessEngine(EngineFront):
         if self._running:
             self._running = False
             self._flush()
-            try:
-                self._conn.send([(SHUTDOWN, None)])
-            except OSError:
-                pass
+            try:    # behind whatever the core has not read yet; it reads within a step
+                self._writer.send([(SHUTDOWN, None)])
+                await asyncio.wait_for(self._writer.drained(), 30)
+            except (OSError, asyncio.TimeoutError):
+                pass    # the core is gone or stuck: join, then terminate/kill
             await asyncio.to_thread(self.proc.join, 30)
             self._drain()   # the core's last message: abort terminals of what was left
         self._close("engine stopped")
@@ -151,8 +163,12 @@ class CoreProcessEngine(EngineFront):
         if self._sent_at is None:
             self._sent_at = time.monotonic()
         try:
-            self._conn.send(items)
-        except OSError:
+            self._writer.send(items)     # never waits: what the socket does not take goes out as the core reads
+        except OSError:                  # the writer failed before (the core is gone)
+            self._on_write_error(None)
+
+    def _on_write_error(self, err: Optional[OSError]) -> None:
+        if self._running:
             self._core_failed(None)
 
     # ------------------------------------------------------------- receiving
@@ -160,17 +176,25 @@ class CoreProcessEngine(EngineFront):
         self._drain()
 
     def _drain(self) -> None:
+        if self._reader is None or self._conn.closed:
+            return
         try:
-            while self._dead is None and self._conn.poll():
-                msg = self._conn.recv()
-                self._last_recv, self._sent_at = time.monotonic(), None
-                if type(msg) is CoreStep:
-                    self._on_step(msg)
-                elif msg[0] == "crash":
-                    self._core_failed(msg[1])
-        except (EOFError, OSError):
+            msgs = self._reader.read()      # whole messages only; a half-arrived one waits for its rest
+        except OSError:
+            msgs = None
+        for msg in msgs or ():
+            if self._dead is not None:
+                return
+            self._last_recv, self._sent_at = time.monotonic(), None
+            if type(msg) is CoreStep:
+                self._on_step(msg)
+            elif msg[0] == "crash":
+                self._core_failed(msg[1])
+        if msgs is None or self._reader.eof:
             if self._running:
                 self._core_failed(None)
+            else:
+                self._unwatch()     # stopping: an fd at EOF stays readable, the loop would call us again and again
 
     def _core_failed(self, message: Optional[str]) -> None:
         if self._dead is not None:
@@ -205,14 +229,20 @@ class CoreProcessEngine(EngineFront):
         return f"exit code {code}"
 
     def _close(self, why: str) -> None:
+        self._unwatch()
+        self._kill()
+        if not self._conn.closed:
+            self._conn.close()
+
+    def _unwatch(self) -> None:
+        """The loop lets go of the fd (before it is closed)."""
+        if self._writer is not None:
+            self._writer.close()
         if self._loop is not None and not self._conn.closed:
             try:
                 self._loop.remove_reader(self._conn.fileno())
             except (ValueError, OSError, RuntimeError):
                 pass
-        self._kill()
-        if not self._conn.closed:
-            self._conn.close()
 
     def _kill(self) -> None:
         """Make sure the core process is gone (no orphan)."""

@@ -23,9 +23,10 @@ import asyncio
 import logging
 import multiprocessing
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Optional, Sequence
 
+from shepherd.engine.pipe_io import FrameReader, PipeWriter
 from shepherd.model.grammar import GrammarError, check_spec
 from shepherd.server.common import APIError
 
@@ -73,6 +74,9 @@ class GrammarCheck:
         self._proc = None
         self._conn = None
         self._ready = False
+        self._reader: Optional[FrameReader] = None     # the pipe on the event loop (engine/pipe_io.py)
+        self._writer: Optional[PipeWriter] = None
+        self._inbox: deque = deque()
 
     # ------------------------------------------------------------------ worker
     def start(self) -> None:
@@ -86,33 +90,58 @@ class GrammarCheck:
         self._proc.start()
         child.close()
         self._conn, self._ready = parent, False
+        self._reader = self._writer = None
+        self._inbox.clear()
 
     def stop(self) -> None:
         if self._proc is not None:
             self._proc.kill()
             self._proc.join(5)
             self._proc = None
+        if self._writer is not None:
+            self._writer.close()        # lets go of the fd before it is closed
+            self._writer = None
+        self._reader = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
 
+    def _attach(self) -> None:
+        """The worker's pipe on the running loop, non-blocking: a spec larger than the socket buffer goes
+        out as the worker reads it (a blocking send would hold the event loop until then), and its
+        answer is taken whole from what has arrived."""
+        if self._writer is None:
+            self._reader = FrameReader(self._conn.fileno())
+            self._writer = PipeWriter(asyncio.get_running_loop(), self._conn.fileno(), lambda err: None)
+
     async def _recv(self, timeout: Optional[float]):
         """The worker's next message, waiting on its pipe from the event loop; None on timeout."""
+        if self._inbox:
+            return ("msg", self._inbox.popleft())
+        self._attach()
         loop = asyncio.get_running_loop()
-        conn = self._conn
-        ready = loop.create_future()
-        loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
-        os.set_blocking(conn.fileno(), True)    # uvloop made it non-blocking (engine/core_client.py)
+        fd = self._conn.fileno()
+        reader, got = self._reader, loop.create_future()
+
+        def readable():
+            if got.done():
+                return
+            try:
+                self._inbox.extend(reader.read())       # whole messages only
+            except OSError:
+                got.set_result(("died", None))
+                return
+            if self._inbox:
+                got.set_result(("msg", self._inbox.popleft()))
+            elif reader.eof:
+                got.set_result(("died", None))
+        loop.add_reader(fd, readable)
         try:
-            await asyncio.wait_for(ready, timeout)
+            return await asyncio.wait_for(got, timeout)
         except asyncio.TimeoutError:
             return None
         finally:
-            loop.remove_reader(conn.fileno())
-        try:
-            return ("msg", conn.recv())
-        except (EOFError, OSError):
-            return ("died", None)
+            loop.remove_reader(fd)
 
     async def _compile(self, spec: Spec) -> Optional[str]:
         self.start()
@@ -123,7 +152,11 @@ class GrammarCheck:
                 raise APIError(503, "the grammar compiler did not start", "server_error",
                                code="grammar_unavailable")
             self._ready = True
-        self._conn.send(spec)
+        self._attach()
+        try:
+            self._writer.send(spec)
+        except OSError:
+            pass                # a write failed: the worker is gone, and _recv sees its EOF
         got = await self._recv(self.timeout)
         if got is not None and got[0] == "msg":
             return got[1]
