@@ -153,6 +153,27 @@ def test_grammar_check_budgets_and_cached_verdicts(tok):
     asyncio.run(main())
 
 
+def test_grammar_check_sends_a_spec_larger_than_the_socket_buffer_under_uvloop(tok):
+    """uvloop makes the worker's pipe non-blocking; a spec larger than the socket buffer (~210 KB) goes
+    out in pieces from the loop (engine/pipe_io.py) and its verdict comes back whole."""
+    import asyncio
+
+    import uvloop
+
+    from shepherd.server.grammar_check import GrammarCheck
+    big = ("json_schema", json.dumps({"type": "object", "description": "d" * 400_000,
+                                      "properties": {"a": {"type": "integer"}}}))
+
+    async def main():
+        gc = GrammarCheck(tok, timeout=60, max_bytes=1 << 20)
+        try:
+            assert await gc.verdict(big) is None
+            await gc.check(("regex", "[a-c]{3}"), "p")         # the same worker, the next message
+        finally:
+            gc.stop()
+    uvloop.run(main())
+
+
 def test_unsupported_schema_constructs_are_named(tok):
     with pytest.raises(GrammarError, match="'not'"):
         check_schema({"type": "object", "properties": {"a": {"not": {"type": "string"}}}})
