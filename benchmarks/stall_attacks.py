@@ -45,6 +45,9 @@ def _json(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+PIPE_ATTACKS = ("schema", "fullbias")
+
+
 def attacks() -> dict:
     """name -> (label, path, body bytes)."""
     vocab = 49152
@@ -63,6 +66,15 @@ def attacks() -> dict:
                         "response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": {
                             "type": "object", "required": ["v"], "additionalProperties": False,
                             "properties": {"v": {"enum": [f"value-{i}-of-the-list" for i in range(5000)]}}}}}})),
+        # accepted bodies whose request is larger than the core pipe's socket buffer (~210 KB): they reach
+        # the engine core, and the server's end of the pipe must not wait for the core to read them
+        "schema": ("`json_schema` of 120 KB that compiles (long description)", "/v1/chat/completions",
+                   _json({"messages": [{"role": "user", "content": "Give a number."}], "max_tokens": 8,
+                          "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                              "type": "object", "required": ["n"], "description": "a number " * 13_000,
+                              "properties": {"n": {"type": "integer"}}}}}})),
+        "fullbias": ("`logit_bias` over all 49,152 tokens (the largest accepted)", "/v1/completions",
+                     _json({"prompt": "hi", "max_tokens": 8, "logit_bias": {str(i): 0.5 for i in range(vocab)}})),
         "detok": ("`/detokenize` of 1M tokens", "/detokenize",
                   _json({"tokens": [i % vocab for i in range(1_000_000)]})),
         "tok": ("`/tokenize` of 1M characters", "/tokenize", _json({"prompt": "abc def " * 125_000})),
@@ -316,7 +328,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--executor", default="torch", choices=["torch", "sim"])
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
-    ap.add_argument("--attacks", default=",".join(attacks()), help="comma list of: " + ",".join(attacks()))
+    ap.add_argument("--attacks", default=",".join(a for a in attacks() if a not in PIPE_ATTACKS),
+                    help="comma list of: " + ",".join(attacks()) + " (default: the issue's table; "
+                    + ",".join(PIPE_ATTACKS) + " are accepted bodies that reach the engine core's pipe)")
     ap.add_argument("--repeat", type=int, default=10, help="copies of each attack sent at once")
     ap.add_argument("--max-tokens", type=int, default=400, help="innocent stream length")
     ap.add_argument("--timeout", type=float, default=180.0, help="an attacker's own timeout, s")
