@@ -52,6 +52,16 @@ def test_bad_quantization_mode_is_a_clear_error(default_model_path):
         load_model(default_model_path, "bfloat16", quantization="int3")
 
 
+def test_kv_pool_is_sized_from_the_gpus_free_memory_not_the_hosts(monkeypatch):
+    """On cuda the KV budget (--kv-cache-memory-fraction of free memory) is the card's free memory
+    after the weights are loaded; the host's MemAvailable only sizes a CPU pool."""
+    from shepherd.engine import torch_executor as te
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
+    monkeypatch.setattr(te, "mem_available_bytes", lambda: 500 << 30)
+    assert te.free_memory_bytes(torch.device("cuda", 0)) == 3 << 30
+    assert te.free_memory_bytes(torch.device("cpu")) == 500 << 30
+
+
 def test_unavailable_device_is_a_clear_error():
     from shepherd.config import ConfigError, EngineConfig
     from shepherd.engine.torch_executor import TorchExecutor

@@ -56,6 +56,15 @@ def mem_available_bytes() -> int:
         return 4 << 30
 
 
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory where the KV pool is allocated: the GPU's own (torch.cuda.mem_get_info, read
+    after the weights are on it) on cuda, MemAvailable on the CPU. The host's RAM says nothing of
+    a GPU's: a pool sized from it would not fit a 24 GB card on a 512 GB host."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return mem_available_bytes()
+
+
 KERNEL_MODES = ("auto", "fused", "torch")
 
 
@@ -219,7 +228,7 @@ class TorchExecutor:
         if cfg.max_total_tokens:
             cap = int(cfg.max_total_tokens)
         else:
-            avail = mem_available_bytes()
+            avail = free_memory_bytes(self.device)
             cap = int(avail * float(cfg.kv_cache_memory_fraction)) // per_tok
             cap = max(256, min(cap, 1 << 22))
         self.kv_capacity = cap
@@ -370,7 +379,7 @@ class TorchExecutor:
         ok = invariant((m.min_rows, m.min_rows + 1, 7, 9, 16, 33))
         if not ok:
             m.row_tile = 16
-            log.warning("GEMM rows are not batch invariant on this CPU: using fixed %d-row tiles", m.row_tile)
+            log.warning("GEMM rows are not batch invariant on %s: using fixed %d-row tiles", self.device, m.row_tile)
 
     # ------------------------------------------------------------------ protocol
     def execute(self, batch: ScheduledBatch) -> StepResult:
