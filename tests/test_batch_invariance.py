@@ -358,6 +358,7 @@ def test_preempt_recompute_and_swap_give_the_same_tokens(default_model_path, ex,
     from shepherd.engine.torch_executor import HostPoolFull, TorchExecutor
     ex2 = TorchExecutor(EngineConfig(model=default_model_path, dtype="bfloat16", max_total_tokens=2048,
                                      kernels=ex.cfg.kernels, quantization=ex.cfg.quantization, host_kv_tokens=600,
+                                     device=ex.cfg.device,     # `alone` ran there: on cuda, not the CPU
                                      scheduler=SchedulerConfig(preemption="swap")))
     assert ex2.host_kv_capacity == 600
     p = prompts[1]

@@ -128,9 +128,10 @@ def setup(request, default_model_path, prompts):
         q = ""
     for d in {dtype, "float32"}:
         if d not in _HF_REFS:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path),
-                dtype=getattr(torch, d))
+            path, gguf = default_model_path, {}
+            if not os.path.isdir(path):      # the GGUF; a folder is an HF one ($SHEPHERD_TEST_MODEL)
+                path, gguf = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, **gguf, dtype=getattr(torch, d))
             model.eval()
             _HF_REFS[d] = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
             del model
