@@ -398,3 +398,41 @@ def test_pipe_io_frames_match_cpython_and_end_of_file_is_told():
             writer.send("more")
     asyncio.run(write_to_gone_peer())
     a.close()
+
+
+def test_stop_sends_shutdown_behind_a_pending_send_and_reads_the_core_last_message():
+    """stop() while requests worth more than the socket buffer are still unsent to a busy core: SHUTDOWN
+    goes behind them, the core returns by itself (exit code 0, not terminated), and its last message
+    (its admission answers and abort terminals) is read: every request was admitted, then ended."""
+    import asyncio
+
+    import uvloop
+
+    from shepherd.request import SamplingParams
+
+    engine = CoreProcessEngine(EngineConfig(executor="sim", max_total_tokens=8192), log_level="warning")
+
+    async def main():
+        await engine.start()
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: proc_state(engine.pid) == "T", 10, "the core to stop")
+            prompts = [[1 + (i * 7 + j) % 900 for j in range(2000)] for i in range(60)]
+            streams = [engine.submit(p, SamplingParams(max_tokens=2)) for p in prompts]
+            await asyncio.sleep(0)                  # the flush
+            assert engine.unsent_bytes > 0
+            stopping = asyncio.ensure_future(engine.stop())
+            await asyncio.sleep(0)                  # stop() has queued SHUTDOWN and waits for it to go out
+            assert not stopping.done()
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        await asyncio.wait_for(stopping, 60)
+        assert engine.proc.exitcode == 0
+        for s in streams:
+            await s                                 # admitted (the core's last message), not failed by stop
+            outs = [o async for o in s]
+            assert outs and outs[-1].finished
+    try:
+        uvloop.run(main())
+    finally:
+        engine.close()
