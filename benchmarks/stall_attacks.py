@@ -7,6 +7,7 @@
     python benchmarks/stall_attacks.py --root /path/to/old/checkout --timeout 120   # a before
     python benchmarks/stall_attacks.py --target gateway --write docs/SERVING.md --section gateway
     python benchmarks/stall_attacks.py --target ray --write docs/SERVING.md --section ray   # Ray Serve
+    python benchmarks/stall_attacks.py --attacks schema,fullbias --streams 32   # accepted bodies through the core pipe
 
 For each attack: an innocent client streams a completion (the official
 `openai` client, greedy, ignore_eos) and a poller GETs /health every 20 ms;
@@ -161,11 +162,13 @@ def p99(xs: list) -> float:
 
 
 async def window(url: str, model: str, attack, repeat: int, max_tokens: int, timeout: float, pool,
-                 settle: float = 0.0) -> dict:
+                 settle: float = 0.0, streams: int = 0) -> dict:
     stop_evt = asyncio.Event()
     health, chunks = [], []
     hp = asyncio.create_task(health_poller(url, stop_evt, health))
     inn = asyncio.create_task(innocent(url, model, max_tokens, stop_evt, chunks))
+    # more streams beside the innocent one: the core's steps get longer (their chunks are not measured)
+    load = [asyncio.create_task(innocent(url, model, max_tokens, stop_evt, [])) for _ in range(streams)]
     while len(chunks) < 8:                       # the stream is flowing
         await asyncio.sleep(0.01)
         if inn.done():
@@ -190,7 +193,7 @@ async def window(url: str, model: str, attack, repeat: int, max_tokens: int, tim
         await asyncio.sleep(0.01)
     t_end = time.perf_counter()
     stop_evt.set()
-    await asyncio.gather(hp, inn, return_exceptions=True)
+    await asyncio.gather(hp, inn, *load, return_exceptions=True)
     lat = [d for t, d in health if t1 >= t >= t0 or (t < t0 <= t + d)]
     gaps = [b - a for (k0, a), (k1, b) in zip(chunks, chunks[1:]) if k0 == k1]
     counts: dict = {}
@@ -332,6 +335,8 @@ def main() -> None:
                     help="comma list of: " + ",".join(attacks()) + " (default: the issue's table; "
                     + ",".join(PIPE_ATTACKS) + " are accepted bodies that reach the engine core's pipe)")
     ap.add_argument("--repeat", type=int, default=10, help="copies of each attack sent at once")
+    ap.add_argument("--streams", type=int, default=0, help="more streams flowing beside the innocent one, "
+                    "unmeasured (longer engine steps: what a send that waits for the core's next read costs)")
     ap.add_argument("--max-tokens", type=int, default=400, help="innocent stream length")
     ap.add_argument("--timeout", type=float, default=180.0, help="an attacker's own timeout, s")
     ap.add_argument("--port", type=int, default=0)
@@ -354,13 +359,14 @@ def main() -> None:
     try:
         import httpx
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        rows = [(None, asyncio.run(window(url, model, None, 0, args.max_tokens, args.timeout, pool, args.settle)))]
+        rows = [(None, asyncio.run(window(url, model, None, 0, args.max_tokens, args.timeout, pool, args.settle,
+                                          args.streams)))]
         print(table(rows, args.repeat, args.target), flush=True)
         if sampler is not None:
             print(profile_report(sampler.samples, rows[0][1], args.logs, timeline=False), flush=True)
         for name in chosen:
             r = asyncio.run(window(url, model, every[name], args.repeat, args.max_tokens, args.timeout, pool,
-                                   args.settle))
+                                   args.settle, args.streams))
             rows.append((every[name][0], r))
             print(table(rows[-1:], args.repeat, args.target).splitlines()[-1], flush=True)
             if sampler is not None:
