@@ -21,8 +21,12 @@ process (so that the machine's slow spells fall on each alike): none (the one-ca
 stack), governor (the serving core's thread governor, engine/threads.py
 ThreadGovernor.between_layers, as `shepherd serve` installs it when it picks the thread count:
 at 2 threads the stack's C call returns to it at the first layer boundary past each 10 ms
-probe), every (a look before every layer: the stack cut at each layer, what a cut costs).
+probe), every (a look before every layer: the stack cut at each layer, what a cut costs),
+probe (the stack returns at each of its looks every 10 ms whatever it finds: prints the looks,
+each thread's CPU time against the wall time, that the governor's `least` is set against).
+--hogs N runs N busy processes beside it (threads_contention.py's hog) while it times.
     python benchmarks/step_time.py --threads 2 --steps 20 --watch none,governor,every
+    python benchmarks/step_time.py --watch probe --hogs 1
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 START, END = "<!-- steptime:start -->", "<!-- steptime:end -->"
 HEAD = ("| change | quant | rows | decode step p50, ms: wall (CPU) | GEMM only, ms: wall (CPU) | rest, ms: wall (CPU) "
@@ -59,7 +64,13 @@ def build(args):
                        max_total_tokens=max(args.rows) * (args.ctx + decode_steps(args) + 64) + 256, **kw)
     t0 = time.perf_counter()
     ex = TorchExecutor(cfg)
-    args.hooks = {"none": None, "every": lambda layer: 0.0}
+    args.looks = {}
+
+    def probe(layer, look):   # --watch probe: the stack's looks, by rows
+        if look is not None:
+            args.looks.setdefault(args.rows_now, []).append(look)
+        return 0.01
+    args.hooks = {"none": None, "every": lambda layer, look: 0.0, "probe": probe}
     if "governor" in args.watch:
         from shepherd.engine.threads import ThreadGovernor
         args.governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
@@ -145,6 +156,32 @@ def time_gemms(ex, n, args):
     return statistics.median(times) * 1000, statistics.median(cpu) * 1000
 
 
+def start_hogs(n: int) -> list:
+    """n busy processes (threads_contention.py's hog), started now."""
+    import multiprocessing
+
+    from threads_contention import hog
+    hogs = [multiprocessing.get_context("spawn").Process(target=hog, daemon=True) for _ in range(n)]
+    for h in hogs:
+        h.start()
+    return hogs
+
+
+def look_table(looks: list) -> str:
+    """The stack's looks: percentiles of the least CPU share a thread got and of the team's CPUs,
+    and how many looks fall under each candidate `least`."""
+    def pct(v, q):
+        v = sorted(v)
+        return v[min(len(v) - 1, int(q * len(v)))]
+    least, cpus = [lk.least for lk in looks], [lk.cpus for lk in looks]
+    qs = (0.01, 0.05, 0.25, 0.5, 0.75)
+    return (f"{len(looks)} looks, wall p50 {1e3 * pct([lk.wall for lk in looks], 0.5):.1f} ms; least thread share "
+            + " ".join(f"p{int(100 * q)} {pct(least, q):.2f}" for q in qs)
+            + "; team CPUs " + " ".join(f"p{int(100 * q)} {pct(cpus, q):.2f}" for q in qs)
+            + "; share of looks under " + " ".join(f"{t}: {sum(x < t for x in least) / len(least):.0%}"
+                                                   for t in (0.5, 0.65, 0.8, 0.9)))
+
+
 def write_rows(rows: list[str], path: Path) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     old = []
@@ -175,19 +212,23 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="cpu|cuda|cuda:N (if the build has it)")
     ap.add_argument("--kernels", default=None, help="auto|fused|torch")
     ap.add_argument("--watch", default="none", help="comma list of between-layers hooks, taking turns step by step: "
-                    "none, governor (the serving core's thread governor), every (a look before every layer)")
+                    "none, governor (the serving core's thread governor), every (a look before every layer), "
+                    "probe (the stack's looks)")
+    ap.add_argument("--hogs", type=int, default=0, help="busy processes beside the timed steps")
     ap.add_argument("--label", default=None, help="write rows under this change label into docs/BENCHMARKS.md")
     ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     args = ap.parse_args(argv)
     args.rows = [int(x) for x in args.rows.split(",") if x]
     args.watch = [w for w in args.watch.split(",") if w]
-    if not args.watch or set(args.watch) - {"none", "governor", "every"}:
-        ap.error(f"--watch {','.join(args.watch)}: expected a comma list of none, governor, every")
+    if not args.watch or set(args.watch) - {"none", "governor", "every", "probe"}:
+        ap.error(f"--watch {','.join(args.watch)}: expected a comma list of none, governor, every, probe")
     import torch
     ex = build(args)
     rows = []
     print(HEAD)
+    hogs = start_hogs(args.hogs)
     for n in args.rows:
+        args.rows_now = n
         with torch.inference_mode():
             steps = time_decode(ex, n, args)
         gemm, gemm_c = time_gemms(ex, n, args)
@@ -201,6 +242,11 @@ def main(argv=None):
                    f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} |")
             print(row, flush=True)
             rows.append(row)
+    for h in hogs:
+        h.terminate()
+        h.join(5)
+    for n, looks in args.looks.items():
+        print(f"probe looks, {n} rows, {args.hogs} hog(s): {look_table(looks)}")
     if "governor" in args.watch:   # a drop would time the rest at one thread: say so
         print(f"governor: {args.governor.mid_step_drops} mid-step drop(s), threads now {args.governor.threads}")
     if args.label:

@@ -134,7 +134,7 @@ def test_thread_count_changed_between_layers_keeps_the_tokens(ex, prompts, alone
     if full < 2:
         pytest.skip("one CPU: no thread count to change")
 
-    def hook(layer):
+    def hook(layer, look):
         seen.append(layer)
         if layer == 0:
             torch.set_num_threads(full)
@@ -154,26 +154,41 @@ def test_thread_count_changed_between_layers_keeps_the_tokens(ex, prompts, alone
 def test_governor_looks_between_layers_of_every_path(ex, prompts):
     """The core process's thread governor (engine/threads.py ThreadGovernor.between_layers, as
     core_proc installs it) is called between layers on every path, the fused one-call stack
-    (kernels.layer_stack) included: with a 0 s probe it looks before every layer of every
-    forward (a `sharp` of 1 keeps it from dropping a thread: the test is about where it looks)."""
+    (kernels.layer_stack) included: with a 0 s probe and every look counted short (`least` 2:
+    no thread gets twice the wall) it is called before every layer of every forward, with the
+    stack's look there (a `sharp` of 1 keeps it from dropping a thread: the test is about where
+    it looks). With no look ever short (`least` 0) the stack runs each forward in one call: the
+    hook is called before layer 0 only, where the per-op paths still call it before every layer."""
     from shepherd.engine.threads import ThreadGovernor
     full = torch.get_num_threads()
     if full < 2:
         pytest.skip("one CPU: the governor has nothing to govern")
-    gov = ThreadGovernor(full, torch.set_num_threads, probe=0.0, sharp=1.0)
-    seen = []
+    n, stack = len(ex.model.layers), ex.one_call_stack()
+    for least in (2.0, 0.0):
+        gov = ThreadGovernor(full, torch.set_num_threads, probe=0.0, sharp=1.0, least=least)
+        seen, looks = [], []
 
-    def hook(layer):
-        seen.append(layer)
-        return gov.between_layers(layer)
-    ex.watch_layers(hook)
-    try:
-        Loop(ex, seed=11).run(prompts[:2], new=2)
-    finally:
-        ex.watch_layers(None)
-        torch.set_num_threads(full)
-    n = len(ex.model.layers)
-    assert gov.threads == full and len(seen) >= 2 * n and seen == list(range(n)) * (len(seen) // n)
+        def hook(layer, look):
+            seen.append(layer)
+            looks.append(look)
+            return gov.between_layers(layer, look)
+        ex.watch_layers(hook)
+        try:
+            Loop(ex, seed=11).run(prompts[:2], new=2)
+        finally:
+            ex.watch_layers(None)
+            torch.set_num_threads(full)
+        assert gov.threads == full and gov.mid_step_drops == 0
+        if least or not stack:
+            assert len(seen) >= 2 * n and seen == list(range(n)) * (len(seen) // n)
+        else:
+            assert len(seen) >= 2 and set(seen) == {0}
+        if stack:       # the C call's look: each thread's CPU share of the wall since the last
+            got = [lk for lk in looks if lk is not None]
+            assert len(got) == (len(seen) - len(seen) // n if least else 0)
+            assert all(0 <= lk.least <= lk.cpus <= full + 0.1 and lk.wall >= 0 for lk in got)
+        else:
+            assert looks == [None] * len(seen)
 
 
 @pytest.mark.parametrize("page", [1, 16])
@@ -211,15 +226,15 @@ def test_layer_stack_cut_between_layers_equals_one_call(ex, prompts, page):
             ex.watch_layers(None)
         return [a.clone(), b.clone()]
 
-    def every(layer):
+    def every(layer, look):
         calls.append(layer)
         return 0.0
     one = run(None)
     cut = run(every)
     assert calls == list(range(len(m.layers))) * 2
-    part = run(lambda layer: 0.0 if layer < 7 else None)
+    part = run(lambda layer, look: 0.0 if layer < 7 else None)
     timed_calls = []
-    timed = run(lambda layer: timed_calls.append(layer) or 0.001)
+    timed = run(lambda layer, look: timed_calls.append(layer) or 0.001)
     assert len(timed_calls) > 2     # the prefills' layers take over 1 ms: the stack was cut
     assert all(torch.equal(x, y) for x, y in zip(one, cut)), "one call per layer changed the logits"
     assert all(torch.equal(x, y) for x, y in zip(one, part)), "cut up to layer 7 changed the logits"

@@ -569,9 +569,10 @@ def test_thread_governor_drops_to_one_thread_under_contention_and_comes_back():
     assert idle is None or idle[1] > 0
 
 
-def test_mid_step_rule_is_asked_for_on_the_one_call_stack(monkeypatch):
-    """engine/core_proc.py: the governor watches the layers by default only where the model runs
-    them one by one; SHEPHERD_GOVERNOR_MID_STEP=1 / 0 turns it on / off on either path."""
+def test_mid_step_rule_is_on_by_default_on_every_path(monkeypatch):
+    """engine/core_proc.py: the governor watches the layers by default on every path, the
+    one-call layer stack included (its C call looks for itself); SHEPHERD_GOVERNOR_MID_STEP=0
+    turns it off (the window rule alone), =1 keeps it on."""
     from shepherd.engine.core_proc import mid_step_rule
 
     class Ex:
@@ -581,7 +582,7 @@ def test_mid_step_rule_is_asked_for_on_the_one_call_stack(monkeypatch):
         def one_call_stack(self):
             return self.one_call
     monkeypatch.delenv("SHEPHERD_GOVERNOR_MID_STEP", raising=False)
-    assert mid_step_rule(Ex(False)) and not mid_step_rule(Ex(True))
+    assert mid_step_rule(Ex(False)) and mid_step_rule(Ex(True))
     monkeypatch.setenv("SHEPHERD_GOVERNOR_MID_STEP", "1")
     assert mid_step_rule(Ex(False)) and mid_step_rule(Ex(True))
     monkeypatch.setenv("SHEPHERD_GOVERNOR_MID_STEP", "0")
@@ -589,34 +590,42 @@ def test_mid_step_rule_is_asked_for_on_the_one_call_stack(monkeypatch):
 
 
 def test_thread_governor_drops_in_the_middle_of_a_step_another_process_stretches():
-    """engine/threads.py's mid-step rule on a fake clock: a forward in which two looks in a row
-    found the process short of CPUs (under threads x (1 - contended)) and its threads waited
-    for a CPU more than `sharp` of the time between them goes to one thread before its next
-    layer; a quiet step, a long one with both CPUs (neither reads /proc), a single-threaded
-    stretch nobody waits in, a wait below `sharp` and short looks never two in a row do not.
-    At one thread nothing is read, and the hook tells the model it wants no more layers (so the
-    model runs the rest of its layer stack in one C call)."""
+    """engine/threads.py's mid-step rule on a fake clock, per-op path (the hook reads the
+    process's CPU time): a forward in which two looks in a row found the process short of CPUs
+    (under threads x (1 - contended)) and its threads waited for a CPU more than `sharp` of the
+    time between them goes to one thread before its next layer; a quiet step, a long one with
+    both CPUs (neither reads /proc), a single-threaded stretch nobody waits in, a wait below
+    `sharp` and short looks never two in a row do not. After the drop, windows of `recheck` s
+    (inside the step too, and the first after an idle engine) bring all threads back at once
+    when a CPU stood idle, and keep one thread while the cores stay busy. After a drop by the
+    two-window rule nothing is read at one thread and the hook wants no more layers (the model
+    runs the rest of its layer stack in one C call)."""
     from shepherd.engine.threads import ThreadGovernor
-    now, cpu, main, reads, calls = [0.0], [0.0], [0, 0], [], []
+    now, cpu, main, reads, calls, idle = [0.0], [0.0], [0, 0], [], [], [0.0]
 
     def times():
         reads.append(now[0])
         return tuple(main)
 
     gov = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: cpu[0],
-                         times=times, probe=0.01, sharp=0.49)
+                         times=times, probe=0.01, sharp=0.49, recheck=0.1,
+                         idle=lambda cpus: (int(idle[0] * 100), int(now[0] * 200)))   # jiffies of 2 CPUs
     reads.clear()
 
-    def forward(layers: list) -> int:
+    def forward(layers: list, idle_cpus: float = 0.0) -> int:
         """Run one layer per (seconds, CPUs the process gets, share of the time its threads
-        wait for a CPU). Returns the layer before which it dropped to one thread (-1: never)."""
+        wait for a CPU), with `idle_cpus` of the machine's idle. Returns the layer before which
+        the thread count changed (-1: never)."""
         for li, (dt, cpus, waiting) in enumerate(layers):
-            before = len(calls)
-            wait = gov.between_layers(li)       # s to its next look; None: no more (at one thread)
-            assert (wait is not None) == (gov.threads > 1) and (wait is None or 0 < wait <= gov.probe)
+            before, threads = len(calls), gov.threads
+            wait = gov.between_layers(li)       # its next watch; None: no more (at one thread)
+            assert wait is None or wait.probe <= gov.recheck
             if len(calls) > before:
+                assert wait is not None     # a drop: the short windows after it look inside the step
                 return li
+            assert wait is not None or threads == 1
             now[0] += dt
+            idle[0] += idle_cpus * dt
             cpu[0] += cpus * dt
             main[0] += int((1 - waiting) * dt * 1e9)
             main[1] += int(waiting * dt * 1e9)
@@ -631,8 +640,58 @@ def test_thread_governor_drops_in_the_middle_of_a_step_another_process_stretches
     assert calls == [] and gov.mid_step_drops == 0
     at = forward([(0.004, 1.0, 0.5)] * 30)                           # a stretched step: half the time waiting
     assert at == 6 and calls == [1] and gov.threads == 1 and gov.mid_step_drops == 1   # looks at 12 and 24 ms
+    # the cores stay busy: its 0.1 s windows (between layers and between steps) keep one thread
+    assert forward([(0.004, 1.0, 0.0)] * 100) == -1
     reads.clear()
-    assert forward([(0.004, 1.0, 0.5)] * 30) == -1 and reads == []  # at one thread: nothing to look at
-    gov.decide(0.0, 0.9)                                             # the two-window rule brings it back
+    for _ in range(3):
+        now[0] += 0.1
+        gov.tick()
+    assert calls == [1] and gov.threads == 1 and len(reads) == 3
+    now[0] += 1.0                                                    # an idle engine: no step, no tick
+    idle[0] += 1.0                                                   # (the first tick after it sees that)
+    assert forward([(0.004, 1.0, 0.0)] * 3) == 0 and calls == [1, 2] and gov.threads == 2
+    gov.decide(0.5, 0.0)                                             # the two-window rule, as before
+    gov.decide(0.5, 0.0)
+    assert calls == [1, 2, 1]
+    reads.clear()
+    assert forward([(0.004, 1.0, 0.5)] * 30) == -1 and reads == []  # at one thread from it: nothing to look at
+    gov.decide(0.0, 0.9)                                             # two windows bring it back
     gov.decide(0.0, 1.0)
-    assert calls == [1, 2] and gov.threads == 2
+    assert calls == [1, 2, 1, 2] and gov.threads == 2
+    # a burst that ends inside the step: all threads again at the first 0.1 s window with a CPU idle
+    assert forward([(0.004, 1.0, 0.5)] * 30) == 6 and calls == [1, 2, 1, 2, 1]
+    assert forward([(0.02, 1.0, 0.0)] * 10, idle_cpus=0.9) == 5 and calls == [1, 2, 1, 2, 1, 2] and gov.threads == 2
+
+
+def test_thread_governor_on_the_one_call_stack_returns_only_at_short_looks():
+    """On the one-call layer stack the C call looks (kernels.StackLook: each thread's CPU share
+    of the wall) and the governor's watch says when it returns: at layer 0 and after a look
+    that found no thread descheduled, only at a look where one got less than `least`; after
+    such a look, at the next look whatever it finds. Two short looks in a row with the threads
+    waiting more than `sharp` between them: one thread; a short look followed by a quiet one
+    (a burst of the server's own work on the last step's output) reads /proc once and goes on."""
+    from shepherd.engine.threads import ThreadGovernor
+    from shepherd.model.kernels import StackLook, StackWatch
+    now, main, reads, calls = [0.0], [0, 0], [], []
+
+    def times():
+        reads.append(now[0])
+        return tuple(main)
+
+    gov = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
+                         probe=0.01, sharp=0.49, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)))
+    reads.clear()
+    quiet = StackWatch(0.01, 0.65)
+    assert gov.between_layers(0) == quiet and reads == []            # a quiet forward: one call, no /proc
+
+    def look(layer, dt, least, waiting):
+        now[0] += dt
+        main[0] += int((1 - waiting) * dt * 2e9)
+        main[1] += int(waiting * dt * 2e9)
+        return gov.between_layers(layer, StackLook(least=least, cpus=2 * least, wall=dt))
+    assert gov.between_layers(0) == quiet
+    assert look(3, 0.02, 0.3, 0.5) == StackWatch(0.01) and len(reads) == 1    # short: the next look whatever
+    assert look(6, 0.01, 0.95, 0.0) == quiet and len(reads) == 1 and calls == []   # quiet again: no drop
+    assert look(9, 0.02, 0.3, 0.5) == StackWatch(0.01)
+    assert look(11, 0.02, 0.4, 0.3) == StackWatch(0.01) and calls == []         # waiting 30 %: below sharp
+    assert look(13, 0.02, 0.35, 0.55) == StackWatch(0.1) and calls == [1] and gov.mid_step_drops == 1

@@ -274,7 +274,8 @@ def test_layer_stack_cut_between_layers_with_adapters(bf16_executor, adapters):
     jobs = [("a1", prompts[0]), (None, prompts[1]), ("a2", prompts[2]), ("a2", prompts[0])]
     one = greedy(ex, jobs, NEW, chunk=7, step0=300)
     seen = []
-    for k, hook in enumerate((lambda layer: seen.append(layer) or 0.0, lambda layer: 0.0 if layer < 9 else None)):
+    for k, hook in enumerate((lambda layer, look: seen.append(layer) or 0.0,
+                              lambda layer, look: 0.0 if layer < 9 else None)):
         ex.watch_layers(hook)
         try:
             cut = greedy(ex, jobs, NEW, chunk=7, step0=400 + 100 * k)

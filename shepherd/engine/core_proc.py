@@ -110,17 +110,15 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
 
 
 def mid_step_rule(executor) -> bool:
-    """Whether the thread governor's mid-step rule (threads.py) watches the model's layers:
-    SHEPHERD_GOVERNOR_MID_STEP=1 yes, =0 no (the window rule alone; benchmarks/threads_contention.py
-    and stall_attacks.py measure the two side by side), unset: only where the model runs layer by
-    layer. On the one-call layer stack (kernels.layer_stack, this Intel Xeon's default path) the
-    rule took the stall attacks' longest gaps from 0.20-1.09 s to 0.06-0.14 s but cost 64 served
-    streams 2-10 % of their tok/s (8 % over five pairs; a false drop in each run; docs/SERVING.md), so
-    there it is asked for, not the default."""
-    want = os.environ.get("SHEPHERD_GOVERNOR_MID_STEP", "")
-    if want in ("0", "1"):
-        return want == "1"
-    return not executor.one_call_stack()   # a TorchExecutor: governor() is for --executor torch only
+    """Whether the thread governor's mid-step rule (threads.py) watches the model's layers: yes
+    unless SHEPHERD_GOVERNOR_MID_STEP=0 (the window rule alone; benchmarks/threads_contention.py
+    and stall_attacks.py measure the two side by side). On the one-call layer stack
+    (kernels.layer_stack, this Intel Xeon's default path) it was opt-in until the C call looked
+    for itself (each thread's CPU time, so a quiet step is one call) and a drop came back within
+    one 0.1 s window once the cores were free: before that it cost 64 served streams 2-10 % of
+    their tok/s (docs/SERVING.md)."""
+    del executor    # every path: the per-op paths call the hook between layers, the stack looks in C
+    return os.environ.get("SHEPHERD_GOVERNOR_MID_STEP", "") != "0"
 
 
 def governor(cfg, threads: int):

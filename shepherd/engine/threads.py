@@ -31,7 +31,10 @@ while it has the cores, and drops to one thread while it does not:
     0.5 s. Measured (benchmarks/threads_contention.py, stall_attacks.py
     --profile): 64 local openai streams, where two threads still win, had
     looks of 45-48 % (at 45 % the rule flapped and cost 14 % of their tok/s);
-    the 413 attacks below, 50-62 %.
+    the 413 attacks below, 50-62 %;
+  - after such a drop the way back is looked for in windows of `recheck`
+    (0.1 s), between steps and inside them: the first with `free` of a CPU
+    idle brings all threads back.
 
 Why the last rule: a burst of load shorter than two windows never met the
 window rule, yet one step of it cost the most. Ten 10-15 MB bodies refused
@@ -41,15 +44,26 @@ time for a CPU, and one decode step of ~25 ms took 0.39-0.63 s (every
 barrier of the step waited for the partner thread behind the other process).
 The governor's ticks come between steps, so it saw that step only when it
 was over. At one thread the same attack left the steps at ~25 ms.
-Going back to all threads keeps the two-window rule: a burst costs a part of
-one step, and the count comes back when the cores are idle. Where the model
-runs the layer stack in one C call (kernels.layer_stack, on AVX-512F CPUs
-since 0f973e1, this Xeon too), that call returns at the first layer boundary
-after the time the hook asked for (every `probe` s, at 2 threads or more) and
-the hook looks there; at one thread the rest of the stack runs in one call.
-On that path the rule is off unless SHEPHERD_GOVERNOR_MID_STEP=1
-(engine/core_proc.py mid_step_rule): it cut the stall attacks' gaps to
-0.06-0.14 s but cost 64 served streams 2-10 % of their tok/s.
+Where the model runs the layer stack in one C call (kernels.layer_stack, on
+AVX-512F CPUs since 0f973e1, this Xeon too), the C call looks itself: every
+`probe` s each OpenMP thread's own CPU time (exact, where another thread's or
+the process's lags by up to a scheduler tick) against the wall time, and it
+returns to the hook only at a look where a thread got less than `least`
+(0.65) of the wall, then at the next look whatever it finds; so a quiet step
+runs as one call. Measured (benchmarks/step_time.py --watch probe, in
+process, 10 ms looks): at 64 rows the least share was 0.72 at p1 and 0.96 at
+p50 quiet, 0.45-0.47 at p75 beside one or two busy processes (every look
+under 0.65), at one row 0.41-0.45 at p75 beside them. Served, 64 local
+streams make the first 1-3 looks of most steps short (least 0.1-0.6 over
+10-76 ms): the server and the openai client working on the last step's
+output (over 8.2 s: server 0.28 s CPU, its worker process 1.00 s, the
+client 1.35 s, the engine 11.9 s). That is contention, but it ends inside
+the step, and two threads still win there: the two-look rule ignores most of
+it, and a drop it causes comes back at the next 0.1 s window with a CPU idle
+(100-140 ms later, measured), where the two-window rule held one thread for
+2-6 s (the cost of the rule on this path before: 2-10 % of 64 streams'
+tok/s). SHEPHERD_GOVERNOR_MID_STEP=0 turns the mid-step rule off
+(engine/core_proc.py mid_step_rule).
 
 Measured wait shares: 7-8 % beside one busy process when the kernel placed
 it well (the request then took 1.7x its quiet time at two threads), 39-52 %
@@ -64,6 +78,8 @@ import os
 import threading
 import time
 from typing import Callable, Optional
+
+from shepherd.model.kernels import StackLook, StackWatch, Watch
 
 log = logging.getLogger("shepherd.engine")
 
@@ -112,8 +128,12 @@ class ThreadGovernor:
     def __init__(self, max_threads: int, set_threads: Callable[[int], None], window: float = 0.5,
                  contended: float = 0.35, free: float = 0.5, clock: Callable[[], float] = time.monotonic,
                  probe: float = 0.01, sharp: float = 0.49, cpu_clock: Callable[[], float] = time.process_time,
-                 times: Optional[Callable[[], Optional[tuple[int, int]]]] = None):
+                 times: Optional[Callable[[], Optional[tuple[int, int]]]] = None, least: float = 0.65,
+                 recheck: float = 0.1, idle: Optional[Callable[[set], Optional[tuple[int, int]]]] = None):
         self.max_threads, self.set_threads = max_threads, set_threads
+        self.least, self.recheck = least, recheck
+        self._idle_fn = idle or cpu_idle
+        self._quick, self._dropped_at = False, 0.0   # after a mid-step drop: windows of `recheck` s
         self.window, self.contended, self.free, self.clock = window, contended, free, clock
         self.probe, self.sharp, self.cpu_clock = probe, sharp, cpu_clock
         self._times_fn = times or self._sample_times
@@ -121,7 +141,7 @@ class ThreadGovernor:
         self.cpus = os.sched_getaffinity(0)
         self._last = self.clock()
         self._times = self._times_fn()
-        self._idle = cpu_idle(self.cpus)
+        self._idle = self._idle_fn(self.cpus)
         self._streak = 0
         self.last_wait_share: Optional[float] = None     # for logs and tests
         self._look: tuple = (0.0, 0.0, None)   # the last mid-step look: clock, process CPU s, run/wait ns or None
@@ -137,10 +157,14 @@ class ThreadGovernor:
         if self.max_threads < 2:
             return
         now = self.clock()
+        if self._quick:
+            if now - self._last >= self.recheck:
+                self._recheck(now)
+            return
         if now - self._last < self.window:
             return
         self._last = now
-        times, idle = self._times_fn(), cpu_idle(self.cpus)
+        times, idle = self._times_fn(), self._idle_fn(self.cpus)
         if times is None or idle is None or self._times is None or self._idle is None:
             return
         d_run, d_wait = times[0] - self._times[0], times[1] - self._times[1]
@@ -154,38 +178,86 @@ class ThreadGovernor:
         log.debug("engine threads %d: run-queue wait %.1f%%, %.2f CPUs idle", self.threads, 100 * share, idle_cpus)
         self.decide(share, idle_cpus)
 
-    def between_layers(self, layer: int) -> Optional[float]:
+    def _recheck(self, now: float) -> None:
+        """One of the `recheck` s windows after a mid-step drop (between steps, or between layers
+        at one thread): all threads again at once when `free` of a CPU stood idle in it."""
+        self._last = now
+        times, idle = self._times_fn(), self._idle_fn(self.cpus)
+        if idle is None or self._idle is None:
+            return
+        d_idle, d_total = idle[0] - self._idle[0], idle[1] - self._idle[1]
+        self._times, self._idle = times, idle
+        if d_total <= 0 or len(self.cpus) * d_idle / d_total < self.free:
+            return
+        log.info("engine threads 1 -> %d (the cores are free again %.0f ms after a drop in a step: %.1f CPUs idle)",
+                 self.max_threads, 1e3 * (now - self._dropped_at), len(self.cpus) * d_idle / d_total)
+        self._quick, self._streak = False, 0
+        self.threads = self.max_threads
+        self.set_threads(self.max_threads)
+
+    def between_layers(self, layer: int, look: Optional[StackLook] = None) -> Watch:
         """The model's hook before a layer of a forward (model/llama.py): the mid-step rule of
         the module doc. A look every `probe` s, the first at the forward's first layer (the time
-        between two steps is not a step's). Returns the seconds until it wants its next look
-        (the one-call layer stack runs until the first layer boundary past them), or None at
-        one thread, where it has nothing to look for (the model runs the rest in one call)."""
+        between two steps is not a step's). On the per-op paths (look None) it reads the
+        process's CPU time itself; on the one-call layer stack the C call looks (each thread's
+        own CPU time, kernels.StackLook) and returns only at a look where a thread got less than
+        `least` of the wall, then once more at the next look, so that a quiet step runs as one
+        call. Returns what the stack watches for next (kernels.StackWatch), or None at one
+        thread once the short windows after a drop are over: nothing to look for (the model runs
+        the rest in one call)."""
         if self.threads < 2:
-            return None
+            if not self._quick:
+                return None
+            now = self.clock()     # after a mid-step drop: its short windows go on inside the step
+            if now - self._last >= self.recheck:
+                self._recheck(now)
+            if self.threads < 2:
+                return StackWatch(max(0.0, self.recheck - (now - self._last)))
+            self._look = (now, self.cpu_clock(), None)    # all threads again: looks from here
+            return self._watch(False)
         now = self.clock()
         t0, cpu0, sched0 = self._look
-        if layer and now - t0 < self.probe:
-            return self.probe - (now - t0)    # called early: the per-op paths call every layer
-        cpu = self.cpu_clock()
-        short = layer > 0 and (cpu - cpu0) / (now - t0) < self.threads * (1.0 - self.contended)
+        if look is not None:
+            cpu, short = cpu0, look.least < self.least
+        else:
+            if layer and now - t0 < self.probe:
+                return self._watch(sched0 is not None)   # called early: the per-op paths call every layer
+            cpu = self.cpu_clock()
+            short = layer > 0 and (cpu - cpu0) / (now - t0) < self.threads * (1.0 - self.contended)
         sched = self._times_fn() if short else None
         self._look = (now, cpu, sched)
         if sched is None or sched0 is None:
-            return self.probe
+            if look is not None:
+                log.debug("engine threads %d, layer %d: stack look over %.1f ms, least thread %.2f, %.2f CPUs%s",
+                          self.threads, layer, 1e3 * look.wall, look.least, look.cpus, " (short)" if short else "")
+            return self._watch(short)
         d_run, d_wait = sched[0] - sched0[0], sched[1] - sched0[1]
         share = d_wait / (d_run + d_wait) if d_run + d_wait > 0 else 0.0
+        if look is not None:
+            log.debug("engine threads %d, layer %d: stack look over %.1f ms, least thread %.2f, %.2f CPUs, "
+                      "run-queue wait %.0f%% since the last", self.threads, layer, 1e3 * look.wall, look.least,
+                      look.cpus, 100 * share)
         if share <= self.sharp:
-            return self.probe
-        cpus = (cpu - cpu0) / (now - t0)
+            return self._watch(True)
+        cpus = look.cpus if look is not None else (cpu - cpu0) / (now - t0)
         self.mid_step_drops += 1
         log.info("engine threads %d -> 1 in a step (the cores are shared: over the last %.0f ms our threads "
                  "waited %.0f%% of the time for a CPU, the process got %.1f CPUs)", self.threads,
                  1e3 * (now - t0), 100 * share, cpus)
         self.threads, self._streak = 1, 0
         self.set_threads(1)
-        # the window rule measures the next window at one thread
-        self._last, self._times, self._idle = now, sched, cpu_idle(self.cpus)
-        return None
+        # the way back is measured in windows of `recheck` s, inside steps too, until one finds
+        # `free` of a CPU idle: contention that ended within the step (at 64 local streams, the
+        # server's and the client's work on the last step's output; measured: it spans 1-3 looks
+        # at the start of a step) gets the threads back at once, not after two 0.5 s windows
+        self._last, self._times, self._idle = now, sched, self._idle_fn(self.cpus)
+        self._dropped_at, self._quick = now, True
+        return StackWatch(self.recheck)
+
+    def _watch(self, short: bool) -> StackWatch:
+        """The stack's next watch: after a short look, return at the next look whatever it finds
+        (two in a row); else only at a look where a thread got less than `least` of the wall."""
+        return StackWatch(self.probe, None if short else self.least)
 
     def decide(self, wait_share: float, idle_cpus: float) -> None:
         """One window's figures: the share of time our threads waited for a CPU, and how many of

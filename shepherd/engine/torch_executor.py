@@ -406,11 +406,12 @@ class TorchExecutor:
         return self.model.layer_ptrs is not None and self.model.whole_forward
 
     def watch_layers(self, hook) -> None:
-        """Call `hook(layer index)` before layers of the model's forward: before its first layer,
-        then again at the latest before the first layer that starts the seconds it returned
-        later (the per-op paths call it before every layer), and not again in that forward once
-        it returns None (model/llama.py's between_layers; the core process's thread governor,
-        engine/threads.py). hook None: none, the layer stack in one call."""
+        """Call `hook(layer index, look)` before layers of the model's forward: before its first
+        layer, then where the kernels.Watch it returned says (the per-op paths call it before
+        every layer, with look None; the one-call stack where its look says return, with that
+        kernels.StackLook), and not again in that forward once it returns None (model/llama.py's
+        between_layers; the core process's thread governor, engine/threads.py). hook None: none,
+        the layer stack in one call."""
         self.model.between_layers = hook
 
     def grammar_ready(self, spec: tuple[str, str]) -> bool:

@@ -91,8 +91,9 @@ KERNELS: tuple[Kernel, ...] = (
            "const float *sin_t, uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots, "
            "const int64_t *slot_tab, const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, "
            "float eps, int dp, const int64_t *lora, int64_t lora_slots, const int64_t *lrows, "
-           "const int64_t *litems, const int64_t *lslot, int64_t nitems, float until)",
-           nullable=("lora", "lrows", "litems", "lslot"),
+           "const int64_t *litems, const int64_t *lslot, int64_t nitems, float probe, float least, int stop, "
+           "float *seen)",
+           nullable=("lora", "lrows", "litems", "lslot", "seen"),
            guard="has_bf16_mm"),
     Kernel("has_w8_mm", "int(void)"),
     Kernel("w8_mm_bf16", "void(const uint16_t *x, int64_t rows, int64_t K, const int8_t *w, const float *s, "

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <omp.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -656,6 +657,14 @@ static double bf_now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
+/* the calling thread's CPU time, s (a system call, ~0.3 us here; forward_bf16's looks) */
+static double thread_cpu(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+#define LOOK_THREADS 256   /* forward_bf16 looks at the first 256 threads of a larger team */
+
 KERNEL(int, has_bf16_dp, void) {
 #if defined(__AVX512BF16__)
     return 1;
@@ -787,12 +796,18 @@ KERNEL(void, bf16_mm, const uint16_t *x, int64_t rows, int64_t K, const uint16_t
  * lw: LW_N pointers per layer (kernel_abi.LAYER_WEIGHTS, the generated LW_* enum); 0 for no qkv
  * bias, and for the last layer's next norm.
  * It runs layers l0..L-1 of the table (lw, pool and lora are the whole model's), or stops early
- * at a time budget (`until`), and returns the layer it stopped before (L: all done). On entry
+ * at a look (below), and returns the layer it stopped before (L: all done). On entry
  * h = rmsnorm(x) * ln1 of layer l0; on return x is the residual stream after layer L-1, and, where
  * L is not the last layer, h = rmsnorm(x) * ln1 of layer L (its LN1_NEXT), the entry state of a call
  * that starts there, so calls over [0, a), [a, b), ... give the one call's bits (kernels.py
  * LayerStack; the thread governor's look between layers, engine/threads.py).
- * (h, qkv, att, gu, act, tmp: scratch of M rows; xf: M * max(K) floats, FMA form only). */
+ * (h, qkv, att, gu, act, tmp: scratch of M rows; xf: M * max(K) floats, FMA form only).
+ * Looks (the thread governor's mid-step rule, engine/threads.py), probe >= 0: at the first layer
+ * boundary `probe` s or more after the last look (or the call's start), every thread's CPU time
+ * since then is set against the wall time since then; seen[0] = the least share a thread got,
+ * seen[1] = the team's CPUs (their sum), seen[2] = the wall s. The call returns there when `stop`
+ * or when a thread got less than `least` of the wall: it was descheduled, another process is on
+ * our cores. A quiet step so runs as one call. probe < 0: no looks. */
 KERNEL(int, forward_bf16_supports, int64_t H, int64_t KVH, int64_t hd) {
 #if defined(__AVX512F__)
     return hd % 32 == 0 && hd / 32 <= AMAXC && H % KVH == 0 && H / KVH <= AMAXG;
@@ -815,15 +830,18 @@ KERNEL(int64_t, forward_bf16, int64_t l0, int64_t L, const int64_t *lw, uint16_t
        uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots, const int64_t *slot_tab,
        const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, float eps, int dp,
        const int64_t *lora, int64_t lora_slots, const int64_t *lrows, const int64_t *litems, const int64_t *lslot,
-       int64_t nitems, float until) {
+       int64_t nitems, float probe, float least, int stop, float *seen) {
 #if !defined(__AVX512BF16__)
     dp = 0;   /* as bf16_mm: there is no dp form in this build */
 #endif
     const int64_t W = (H + 2 * KVH) * hd, npad = (max_ctx + 15) / 16 * 16;
-    /* until >= 0: return after the first layer that ends `until` s or more after this call began
-     * (the caller's between-layers hook wants to look then); the master thread reads the clock
-     * before the layer's last `omp for`, whose closing barrier shows every thread its answer */
-    const double deadline = until >= 0 ? bf_now() + until : 0;
+    /* each thread reads its own CPU clock before the layer's down projection (its barriers
+     * publish it); the master thread reads the wall clock after it, looks, and answers before
+     * the layer's last `omp for`, whose closing barrier shows every thread the answer. Reading
+     * one's own thread clock is exact (the kernel adds the running slice); another thread's, or
+     * the process's, lags by up to a scheduler tick (4 ms at HZ=250), a third of a 10 ms look. */
+    double cpu_now[LOOK_THREADS], cpu_then[LOOK_THREADS];
+    double wall_then = bf_now();
     int64_t next = L;
     /* lora (NULL: no row of the step has an adapter): the records, [L][LL_N][lora_slots][LR_N];
      * each linear's update is added to its output before the op that reads it */
@@ -832,6 +850,9 @@ KERNEL(int64_t, forward_bf16, int64_t l0, int64_t L, const int64_t *lw, uint16_t
     #pragma omp parallel
     {
         float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(H / KVH * npad + 16));
+        const int me = omp_get_thread_num(), team = omp_get_num_threads();
+        const int look = probe >= 0 && me < LOOK_THREADS;
+        if (look) cpu_then[me] = thread_cpu();
         for (int64_t l = l0; l < L; l++) {
             const int64_t *p = lw + l * LW_N;
             uint16_t *pl = pool + l * layer_elems;
@@ -849,10 +870,26 @@ KERNEL(int64_t, forward_bf16, int64_t l0, int64_t L, const int64_t *lw, uint16_t
             LORA(LL_GU, h, D, gu, 2 * I);
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) silu_mul_row_bf16(r, gu, act, I);
+            if (look) cpu_now[me] = thread_cpu();
             mm_in_region(act, xf, M, I, p[LW_DOWN], D, 0, tmp, dp);
             LORA(LL_DOWN, act, I, tmp, D);
             #pragma omp master
-            if (until >= 0 && l + 1 < L && bf_now() >= deadline) next = l + 1;
+            if (probe >= 0 && l + 1 < L) {
+                const double now = bf_now(), wall = now - wall_then;
+                if (wall >= probe) {
+                    const int n = team < LOOK_THREADS ? team : LOOK_THREADS;
+                    double low = 1.0, sum = 0.0;
+                    for (int t = 0; t < n; t++) {
+                        const double got = wall > 0 ? (cpu_now[t] - cpu_then[t]) / wall : 1.0;
+                        low = got < low ? got : low;
+                        sum += got;
+                        cpu_then[t] = cpu_now[t];
+                    }
+                    wall_then = now;
+                    if (seen) seen[0] = (float)low, seen[1] = (float)sum, seen[2] = (float)wall;
+                    if (stop || low < least) next = l + 1;
+                }
+            }
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) rmsnorm_row_bf16(r, x, tmp, x, ln1, ln1 ? h : NULL, D, eps);
             if (next < L) break;   /* all threads: `next` was written before the barrier above */

@@ -22,13 +22,37 @@ import shutil
 import subprocess
 import tempfile
 import time
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 
 from shepherd.model import kernel_abi
 
 log = logging.getLogger("shepherd")
+
+@dataclass(frozen=True)
+class StackWatch:
+    """What the one-call layer stack (Kernels.layer_stack) watches for until it returns at a layer
+    boundary: a look every `probe` s (kernels.c forward_bf16: each thread's CPU time against the
+    wall time since the last look); it returns at the first look when `least` is None (a time
+    budget), else at the first look where a thread got less than `least` of the wall."""
+    probe: float
+    least: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class StackLook:
+    """The look the stack returned at: the least share of the wall a thread of the team got as
+    CPU time, the team's CPUs (their sum), over `wall` s since the last look."""
+    least: float
+    cpus: float
+    wall: float
+
+
+# what a between-layers hook returns (model/llama.py): None (no more looks in this forward), a
+# StackWatch, or s to its next call (a StackWatch(s): a time budget)
+Watch = Union[None, float, StackWatch]
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
 # -fno-trapping-math lets the float->int step of fexp vectorise; it changes no value.
@@ -219,13 +243,14 @@ class Kernels:
         return torch.tensor(rows, dtype=torch.int64)
 
     def layer_stack(self, *, lw, x, h, H, KVH, hd, I, pos, cos, sin, kv_pool, slots, slot_tab, off, ctx,
-                    max_ctx, scale, eps, lora=None, lora_rows=None) -> Callable[..., None]:
-        """One forward's layer stack (kernels.c forward_bf16) as `run(l0=a, L=b, until=s)`: layers
-        a..b-1, or, with s >= 0, only up to the first layer that ends s seconds or more after the
-        call began; it returns the layer it stopped before (b: all done). x [T, D] is updated in
-        place to the residual stream after the last layer run; h [T, D] holds rmsnorm(x) * ln1 of
-        layer a on entry and of the returned layer on return (scratch after the last layer), so
-        run(l0=0, L=n, until=-1) and runs over [0, a), [a, b), ..., [., n) give the same bits.
+                    max_ctx, scale, eps, lora=None, lora_rows=None
+                    ) -> Callable[[int, int, Optional[StackWatch]], tuple[int, Optional[StackLook]]]:
+        """One forward's layer stack (kernels.c forward_bf16) as `run(a, b, watch)`: layers a..b-1,
+        or, with a StackWatch, only up to the first layer boundary where its look says return; it
+        returns the layer it stopped before (b: all done) and that look (None when all done). x
+        [T, D] is updated in place to the residual stream after the last layer run; h [T, D] holds
+        rmsnorm(x) * ln1 of layer a on entry and of the returned layer on return (scratch after the
+        last layer), so run(0, n, None) and runs over [0, a), [a, b), ..., [., n) give the same bits.
         lw: layer_weights' table. lora: the LoRA records [L, linears, slots, fields] (model/lora.py)
         and lora_rows the step's LoraRows, or None (no row has an adapter). The scratch rows are
         allocated here, once per forward, not once per range."""
@@ -234,7 +259,8 @@ class Kernels:
         e = lambda n: torch.empty((T, n), dtype=torch.bfloat16)
         dp = self.bf16_form == "dpbf16"
         xf = torch.empty(0 if dp else T * max(D, H * hd, I), dtype=torch.float32)
-        return functools.partial(
+        seen = torch.zeros(3, dtype=torch.float32)
+        call = functools.partial(
             self.lib.forward_bf16, lw=lw, x=x, h=h, qkv=e(W), att=e(H * hd), gu=e(2 * I), act=e(I), tmp=e(D), xf=xf,
             M=T, D=D, H=H, KVH=KVH, hd=hd, I=I, pos=pos, cos_t=cos, sin_t=sin, pool=kv_pool,
             layer_elems=kv_pool[0].numel(), cap1=kv_pool.shape[2], slots=slots, slot_tab=slot_tab,
@@ -243,7 +269,14 @@ class Kernels:
             lrows=None if lora_rows is None else lora_rows.lrows,
             litems=None if lora_rows is None else lora_rows.litems,
             lslot=None if lora_rows is None else lora_rows.lslot,
-            nitems=0 if lora_rows is None else lora_rows.nitems)
+            nitems=0 if lora_rows is None else lora_rows.nitems, seen=seen)
+
+        def run(l0: int, L: int, watch: Optional[StackWatch]) -> tuple[int, Optional[StackLook]]:
+            if watch is None:
+                return call(l0=l0, L=L, probe=-1.0, least=0.0, stop=0), None
+            nxt = call(l0=l0, L=L, probe=watch.probe, least=watch.least or 0.0, stop=int(watch.least is None))
+            return nxt, (StackLook(*seen.tolist()) if nxt < L else None)
+        return run
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:
         """With delta: x += delta (in place, rounded). Returns h = rmsnorm(x) * w."""

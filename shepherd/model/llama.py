@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from shepherd.config import ModelConfig
+from shepherd.model.kernels import StackLook, StackWatch, Watch
 from shepherd.model.lora import LoraPool, LoraRows
 from shepherd.model.quant import QLinear, cat_rows, dequantize, quantize_int8
 
@@ -219,14 +220,15 @@ class LlamaModel:
         self.row_tile = 0
         self.whole_forward = True   # False: one kernel call per op even where layer_stack applies
         self.lora: Optional[LoraPool] = None   # the executor's adapter slots, when it serves LoRA adapters
-        # called with the layer's index before a layer of a forward: engine/threads.py's
+        # called as hook(layer index, look) before a layer of a forward: engine/threads.py's
         # ThreadGovernor drops to one OpenMP thread in the middle of a step that another process is
-        # stretching. It returns in how many seconds it wants to be called again (before the first
-        # layer that starts then), or None: not again in this forward. The per-op paths call it
-        # before every layer until None; where the stack runs in one C call (kernels.layer_stack),
-        # that call returns at the first layer boundary past the time asked for, and runs the rest
-        # of the stack in one go after a None (the governor: at one thread)
-        self.between_layers: Optional[Callable[[int], Optional[float]]] = None
+        # stretching. It returns a kernels.Watch: None (not again in this forward), a StackWatch,
+        # or s to its next call. The per-op paths call it before every layer until None, with look
+        # None; where the stack runs in one C call (kernels.layer_stack), that call returns at the
+        # first layer boundary where the watch says so (a look that found a thread descheduled, or
+        # the time asked for), and the hook gets that look (kernels.StackLook; None at layer 0);
+        # after a None the rest of the stack runs in one go (the governor: at one thread)
+        self.between_layers: Optional[Callable[[int, Optional[StackLook]], Watch]] = None
         esz = torch.empty((), dtype=dtype).element_size()
         self._word = torch.int64 if (self.hd * esz) % 8 == 0 else dtype
         W = weights
@@ -327,7 +329,7 @@ class LlamaModel:
         word = self._word
         hook = self.between_layers
         for li, L in enumerate(self.layers):
-            if hook is not None and hook(li) is None:
+            if hook is not None and hook(li, None) is None:
                 hook = None     # it has seen enough of this forward
             h = self.rms_norm(x, L["ln1"])
             qkv = self._lora(li, "qkv", h, L["qkv"](h), inp)             # [T, q | k | v]
@@ -363,19 +365,20 @@ class LlamaModel:
                                 slot_tab=inp.slot_tab, off=inp.row_off, ctx=inp.row_ctx, max_ctx=inp.max_ctx,
                                 scale=self.scale, eps=eps, lora=None if self.lora is None else self.lora.table,
                                 lora_rows=inp.lora_rows)
-            # the stack is cut only where the hook asks for a look (a cut at every layer cost
-            # 1.0-1.6 ms of a 13 ms one-row decode step: benchmarks/step_time.py --watch every);
+            # the stack is cut only where the hook's watch says (a cut at every layer cost
+            # 1.0-1.6 ms of a 13 ms one-row decode step: benchmarks/step_time.py --watch every;
+            # the governor's watch returns only at a look that found a thread descheduled);
             # x and h carry the state from one call to the next
-            n, li, hook = len(self.layers), 0, self.between_layers
+            n, li, hook, look = len(self.layers), 0, self.between_layers, None
             while li < n:
-                wait = None if hook is None else hook(li)
-                if wait is None:
+                want = None if hook is None else hook(li, look)
+                if want is None:
                     hook = None
-                li = run(l0=li, L=n, until=-1.0 if wait is None else wait)
+                li, look = run(li, n, want if want is None or isinstance(want, StackWatch) else StackWatch(want))
             return self._logits(x, inp)
         hook = self.between_layers
         for li, L in enumerate(self.layers):
-            if hook is not None and hook(li) is None:
+            if hook is not None and hook(li, None) is None:
                 hook = None     # it has seen enough of this forward
             pool = kv_pool[li]
             qkv = self._lora(li, "qkv", h, L["qkv"](h), inp)
