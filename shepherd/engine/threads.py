@@ -55,9 +55,9 @@ process, 10 ms looks): at 64 rows the least share was 0.72 at p1 and 0.96 at
 p50 quiet, 0.45-0.47 at p75 beside one or two busy processes (every look
 under 0.65), at one row 0.41-0.45 at p75 beside them. Served, 64 local
 streams make the first 1-3 looks of most steps short (least 0.1-0.6 over
-10-76 ms): the server and the openai client working on the last step's
-output (over 8.2 s: server 0.28 s CPU, its worker process 1.00 s, the
-client 1.35 s, the engine 11.9 s). That is contention, but it ends inside
+10-76 ms): the server and the local openai client working on the last
+step's output (over 8.2 s: server 0.28 s CPU, the client 1.35 s, the engine
+11.9 s). That is contention, but it ends inside
 the step, and two threads still win there: the two-look rule ignores most of
 it, and a drop it causes comes back at the next 0.1 s window with a CPU idle
 (100-140 ms later, measured), where the two-window rule held one thread for
