@@ -5,8 +5,9 @@
     python benchmarks/threads_contention.py --write docs/SERVING.md
 
 For each variant a real `shepherd serve` (SmolLM2, the engine core in its own
-process) is started and left until its processes are idle (its grammar checker
-imports xgrammar for ~1.5 s after /health answers); then, with the official
+process) is started and left until its processes are idle (a guard: before
+the server waited for its grammar worker, that worker imported xgrammar for
+~1.5 s after /health answered); then, with the official
 `openai` client:
 - quiet: `--requests` 32-token completions one after another (greedy,
   ignore_eos), the median wall time of one;
@@ -54,8 +55,8 @@ def hog() -> None:
 
 def settled(proc: subprocess.Popen, idle_cpu: float = 0.05, period: float = 0.5, timeout: float = 60.0) -> float:
     """Wait until the server and every process it started used under `idle_cpu` CPUs over one
-    `period` (after /health answers, its grammar checker still imports xgrammar for ~1.5 s, a
-    core: measured, a competitor the quiet figure is not about). Returns the seconds waited."""
+    `period` (before serve waited for its grammar worker, it still imported xgrammar for ~1.5 s
+    after /health answered, a core: measured, a competitor the quiet figure is not about). Returns the seconds waited."""
     from _openai_client import descendants
     from proc_sampler import cpu_io
     t0 = time.perf_counter()

@@ -605,3 +605,19 @@ def test_never_admissible_is_400_naming_the_limit(tok):
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "n": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
+
+
+def test_serve_answers_only_once_its_grammar_worker_is_up(tok):
+    """`shepherd serve` starts the grammar worker with the server; its import takes a core for
+    seconds, so the server waits for it before answering: the first requests do not share the
+    CPU with it, and the first structured request does not wait for it."""
+    ex = ScriptedExecutor(tok, tok.encode(TEXT), kv_capacity=4096, max_model_len=2048, delay=0.002)
+    engine = Engine(EngineConfig(executor="sim", watchdog_timeout=60), executor=ex, tokenizer=tok)
+    with ServerThread(engine, ServerConfig(warm_grammar_worker=True)) as srv:
+        assert srv.app.state.grammars.ready, "the server answered before its grammar worker was up"
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+            r = c.post("/v1/chat/completions", json={
+                "model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+            assert r.status_code == 200, r.text

@@ -143,15 +143,27 @@ class GrammarCheck:
         finally:
             loop.remove_reader(fd)
 
-    async def _compile(self, spec: Spec) -> Optional[str]:
+    @property
+    def ready(self) -> bool:
+        """The worker has imported its compiler and takes specs."""
+        return self._ready
+
+    async def wait_ready(self, timeout: float = 120.0) -> bool:
+        """Start the worker if needed and wait for its "ready" (imports take seconds); False if it did
+        not come within `timeout` (the worker is stopped then, and the next compile starts another)."""
         self.start()
         if not self._ready:
-            got = await self._recv(120.0)           # the worker's "ready" (imports take seconds)
+            got = await self._recv(timeout)
             if got is None or got[0] != "msg":
                 self.stop()
-                raise APIError(503, "the grammar compiler did not start", "server_error",
-                               code="grammar_unavailable")
+                return False
             self._ready = True
+        return True
+
+    async def _compile(self, spec: Spec) -> Optional[str]:
+        if not await self.wait_ready():
+            raise APIError(503, "the grammar compiler did not start", "server_error",
+                           code="grammar_unavailable")
         self._attach()
         try:
             self._writer.send(spec)

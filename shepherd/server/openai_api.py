@@ -279,9 +279,14 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await engine.start()
         if server_cfg.warm_grammar_worker:
-            ctx.grammars.start()
+            ctx.grammars.start()        # its import (~1.5 s of a core) overlaps the engine's start
+        await engine.start()
+        # Answer only once the worker is up: importing beside the first requests took a core
+        # from the engine (the thread governor dropped to one thread, 32 tokens 0.58-0.76 s
+        # against 0.40-0.50, docs/SERVING.md).
+        if server_cfg.warm_grammar_worker and not await ctx.grammars.wait_ready():
+            logger.warning("the grammar worker did not start; structured outputs start it on first use")
         try:
             yield
         finally:
@@ -294,6 +299,7 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
     app.state.engine = engine
     app.state.served_model_name = ctx.served_name
     app.state.limits = ctx.limits
+    app.state.grammars = ctx.grammars
     lim = ctx.limits
     app.add_middleware(BodyGuard, max_body_bytes=lim.max_body_bytes, max_depth=lim.max_json_depth,
                        api_key=server_cfg.api_key, body_timeout=lim.body_timeout)
