@@ -20,8 +20,9 @@ unaffected by other processes taking the core; wall time is what a user sees.
 process (so that the machine's slow spells fall on each alike): none (the one-call layer
 stack), governor (the serving core's thread governor, engine/threads.py
 ThreadGovernor.between_layers, as `shepherd serve` installs it when it picks the thread count:
-at 2 threads the stack's C call returns to it at the first layer boundary past each 10 ms
-probe), every (a look before every layer: the stack cut at each layer, what a cut costs),
+at 2 threads the stack's C call looks every 10 ms at an op boundary and returns to it only at a
+short look), every (a look at every op boundary: the stack cut at each op, inside layers too, what
+a cut costs; the per-op paths: before every layer),
 probe (the stack returns at each of its looks every 10 ms whatever it finds: prints the looks,
 each thread's CPU time against the wall time, that the governor's `least` is set against).
 --hogs N runs N busy processes beside it (threads_contention.py's hog) while it times.

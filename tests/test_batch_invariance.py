@@ -129,7 +129,7 @@ def test_thread_count_changed_between_layers_keeps_the_tokens(ex, prompts, alone
     unswitched runs. As the governor does, the hook asks for no look after its drop: on every
     path, the fused one-call stack too (kernels.layer_stack, cut at each layer until then, as
     the hook asks for its next look at once), it is called before layers 0..5 of every forward
-    and never later."""
+    and never later (the stack, cut at each op boundary of layers 0..4, is told the layer it is in)."""
     full, seen = torch.get_num_threads(), []
     if full < 2:
         pytest.skip("one CPU: no thread count to change")
@@ -147,7 +147,41 @@ def test_thread_count_changed_between_layers_keeps_the_tokens(ex, prompts, alone
     finally:
         ex.watch_layers(None)
         torch.set_num_threads(full)
-    assert seen and seen == list(range(6)) * (len(seen) // 6)
+    per = _per_layer(ex)
+    once = [li for li in range(5) for _ in range(per)] + [5]
+    assert seen and seen == once * (len(seen) // len(once))
+    assert together == alone
+
+
+def _per_layer(ex) -> int:
+    """How often a hook that asks for its next look at once is called per layer: once on the
+    per-op paths, at every op boundary (kernels.STACK_OPS) on the one-call stack."""
+    from shepherd.model.kernels import STACK_OPS
+    return STACK_OPS if ex.one_call_stack() else 1
+
+
+def test_thread_count_changed_at_every_op_boundary_keeps_the_tokens(ex, prompts, alone):
+    """The governor's drop and its way back come at any op boundary of the one-call stack, in
+    the middle of a layer too (a layer took 30-92 ms under contention): a hook that asks for its
+    next look at once and switches between 1 thread and all at every call (every op boundary of
+    the stack, every layer on the per-op paths) keeps the tokens of the unswitched runs, with
+    prefills beside decodes. It holds because each op's items are computed whole by one thread."""
+    full, calls = torch.get_num_threads(), []
+    if full < 2:
+        pytest.skip("one CPU: no thread count to change")
+
+    def hook(layer, look):
+        calls.append(layer)
+        torch.set_num_threads(1 if len(calls) % 2 else full)
+        return 0.0
+    ex.watch_layers(hook)
+    try:
+        together = Loop(ex, seed=5).run(prompts, arrive=[i // 3 for i in range(len(prompts))])
+    finally:
+        ex.watch_layers(None)
+        torch.set_num_threads(full)
+    n = len(ex.model.layers) * _per_layer(ex)
+    assert calls and len(calls) % n == 0
     assert together == alone
 
 
@@ -155,8 +189,8 @@ def test_governor_looks_between_layers_of_every_path(ex, prompts):
     """The core process's thread governor (engine/threads.py ThreadGovernor.between_layers, as
     core_proc installs it) is called between layers on every path, the fused one-call stack
     (kernels.layer_stack) included: with a 0 s probe and every look counted short (`least` 2:
-    no thread gets twice the wall) it is called before every layer of every forward, with the
-    stack's look there (a `sharp` of 1 keeps it from dropping a thread: the test is about where
+    no thread gets twice the wall) it is called before every layer of every forward (on the
+    stack: at every op boundary, told the layer it is in), with the stack's look there (a `sharp` of 1 keeps it from dropping a thread: the test is about where
     it looks). With no look ever short (`least` 0) the stack runs each forward in one call: the
     hook is called before layer 0 only, where the per-op paths still call it before every layer."""
     from shepherd.engine.threads import ThreadGovernor
@@ -179,13 +213,14 @@ def test_governor_looks_between_layers_of_every_path(ex, prompts):
             ex.watch_layers(None)
             torch.set_num_threads(full)
         assert gov.threads == full and gov.mid_step_drops == 0
+        once = [li for li in range(n) for _ in range(_per_layer(ex))]   # the stack: every op boundary
         if least or not stack:
-            assert len(seen) >= 2 * n and seen == list(range(n)) * (len(seen) // n)
+            assert len(seen) >= 2 * len(once) and seen == once * (len(seen) // len(once))
         else:
             assert len(seen) >= 2 and set(seen) == {0}
         if stack:       # the C call's look: each thread's CPU share of the wall since the last
             got = [lk for lk in looks if lk is not None]
-            assert len(got) == (len(seen) - len(seen) // n if least else 0)
+            assert len(got) == (len(seen) - len(seen) // len(once) if least else 0)
             assert all(0 <= lk.least <= lk.cpus <= full + 0.1 and lk.wall >= 0 for lk in got)
         else:
             assert looks == [None] * len(seen)
@@ -230,8 +265,8 @@ def test_layer_stack_cut_between_layers_equals_one_call(ex, prompts, page):
         calls.append(layer)
         return 0.0
     one = run(None)
-    cut = run(every)
-    assert calls == list(range(len(m.layers))) * 2
+    cut = run(every)       # the stack: cut at every op boundary, inside layers too
+    assert calls == [li for li in range(len(m.layers)) for _ in range(_per_layer(ex))] * 2
     part = run(lambda layer, look: 0.0 if layer < 7 else None)
     timed_calls = []
     timed = run(lambda layer, look: timed_calls.append(layer) or 0.001)

@@ -263,7 +263,7 @@ def test_batch_invariance_across_adapters(bf16_executor, adapters):
 
 
 def test_layer_stack_cut_between_layers_with_adapters(bf16_executor, adapters):
-    """The one-call layer stack (kernels.layer_stack) cut at every layer, as it runs while the
+    """The one-call layer stack (kernels.layer_stack) cut at every op boundary, as it runs while the
     thread governor's hook asks for a look at once, or cut up to layer 9 and then run in one call,
     gives the tokens and logprobs of the uncut call, bit for bit, with adapter rows beside base
     rows (the LoRA records are indexed by layer in the C loop) and prefill chunks beside decodes."""
@@ -282,7 +282,8 @@ def test_layer_stack_cut_between_layers_with_adapters(bf16_executor, adapters):
         finally:
             ex.watch_layers(None)
         assert cut == one, f"hook {k}: a cut layer stack changed the tokens or logprobs"
-    assert seen[:len(ex.model.layers)] == list(range(len(ex.model.layers)))
+    from shepherd.model.kernels import STACK_OPS   # cut at every op boundary, inside layers too
+    assert seen[:len(ex.model.layers) * STACK_OPS] == [li for li in range(len(ex.model.layers)) for _ in range(STACK_OPS)]
 
 
 # ---------------------------------------------------------------- bad adapter files

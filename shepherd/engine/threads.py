@@ -46,7 +46,9 @@ The governor's ticks come between steps, so it saw that step only when it
 was over. At one thread the same attack left the steps at ~25 ms.
 Where the model runs the layer stack in one C call (kernels.layer_stack, on
 AVX-512F CPUs since 0f973e1, this Xeon too), the C call looks itself: every
-`probe` s each OpenMP thread's own CPU time (exact, where another thread's or
+`probe` s, at an op boundary (between layers, or between the ops of one: a
+layer took 30-92 ms under the stall attacks, so looks at layer boundaries
+came one or two layers into the step), each OpenMP thread's own CPU time (exact, where another thread's or
 the process's lags by up to a scheduler tick) against the wall time, and it
 returns to the hook only at a look where a thread got less than `least`
 (0.65) of the wall, then at the next look whatever it finds; so a quiet step

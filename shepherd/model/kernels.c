@@ -795,19 +795,25 @@ KERNEL(void, bf16_mm, const uint16_t *x, int64_t rows, int64_t K, const uint16_t
  * barriers that end each `omp for`, and the threads stay in one region for the whole stack.
  * lw: LW_N pointers per layer (kernel_abi.LAYER_WEIGHTS, the generated LW_* enum); 0 for no qkv
  * bias, and for the last layer's next norm.
- * It runs layers l0..L-1 of the table (lw, pool and lora are the whole model's), or stops early
- * at a look (below), and returns the layer it stopped before (L: all done). On entry
- * h = rmsnorm(x) * ln1 of layer l0; on return x is the residual stream after layer L-1, and, where
- * L is not the last layer, h = rmsnorm(x) * ln1 of layer L (its LN1_NEXT), the entry state of a call
- * that starts there, so calls over [0, a), [a, b), ... give the one call's bits (kernels.py
- * LayerStack; the thread governor's look between layers, engine/threads.py).
+ * It runs the ops s0..S-1 of the stack, op s being op s % FWD_STAGES (kernel_abi.FORWARD_STAGES,
+ * the generated FS_* enum: qkv, rope, attention, o, ln2, gu, silu, down, ln1) of layer
+ * s / FWD_STAGES (lw, pool and lora are the whole model's), or stops early at a look (below), and
+ * returns the op it stopped before (S: all done). Every op reads and writes only the scratch
+ * below, x and the pool, all of which outlive the call, so a call can start at any op boundary
+ * (on entry at s0 = l * FWD_STAGES, h = rmsnorm(x) * ln1 of layer l; after the last layer's ln1
+ * op, x is the residual stream after it), and calls over [0, a), [a, b), ... give the one call's
+ * bits (kernels.py layer_stack; the thread governor's looks, engine/threads.py). Every op shares
+ * its items out with an `omp for` and each item is computed whole by one thread, so a call may
+ * run with another team size than the last one: same bits.
  * (h, qkv, att, gu, act, tmp: scratch of M rows; xf: M * max(K) floats, FMA form only).
- * Looks (the thread governor's mid-step rule, engine/threads.py), probe >= 0: at the first layer
- * boundary `probe` s or more after the last look (or the call's start), every thread's CPU time
- * since then is set against the wall time since then; seen[0] = the least share a thread got,
- * seen[1] = the team's CPUs (their sum), seen[2] = the wall s. The call returns there when `stop`
- * or when a thread got less than `least` of the wall: it was descheduled, another process is on
- * our cores. A quiet step so runs as one call. probe < 0: no looks. */
+ * Looks (the thread governor's mid-step rule, engine/threads.py), probe >= 0: at the first op
+ * boundary after one that came `probe` s or more after the last look (or the call's start), every
+ * thread's CPU time since then is set against the wall time since then; seen[0] = the least share
+ * a thread got, seen[1] = the team's CPUs (their sum), seen[2] = the wall s. The call returns there
+ * when `stop` or when a thread got less than `least` of the wall: it was descheduled, another
+ * process is on our cores. A quiet step so runs as one call; under contention, where one layer
+ * took 30-92 ms (harden.md), the return comes within an op of the look, not at the layer's end.
+ * probe < 0: no looks. */
 KERNEL(int, forward_bf16_supports, int64_t H, int64_t KVH, int64_t hd) {
 #if defined(__AVX512F__)
     return hd % 32 == 0 && hd / 32 <= AMAXC && H % KVH == 0 && H / KVH <= AMAXG;
@@ -824,7 +830,7 @@ static inline void mm_in_region(const uint16_t *x, float *xf, int64_t M, int64_t
     bf16_mm_items(x, xf, M, K, PTR(const uint16_t *, w), N, PTR(const uint16_t *, bias), y, 0, dp);
 }
 
-KERNEL(int64_t, forward_bf16, int64_t l0, int64_t L, const int64_t *lw, uint16_t *x, uint16_t *h, uint16_t *qkv,
+KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t *x, uint16_t *h, uint16_t *qkv,
        uint16_t *att, uint16_t *gu, uint16_t *act, uint16_t *tmp, float *xf, int64_t M, int64_t D, int64_t H,
        int64_t KVH, int64_t hd, int64_t I, const int64_t *pos, const float *cos_t, const float *sin_t,
        uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots, const int64_t *slot_tab,
@@ -835,14 +841,18 @@ KERNEL(int64_t, forward_bf16, int64_t l0, int64_t L, const int64_t *lw, uint16_t
     dp = 0;   /* as bf16_mm: there is no dp form in this build */
 #endif
     const int64_t W = (H + 2 * KVH) * hd, npad = (max_ctx + 15) / 16 * 16;
-    /* each thread reads its own CPU clock before the layer's down projection (its barriers
-     * publish it); the master thread reads the wall clock after it, looks, and answers before
-     * the layer's last `omp for`, whose closing barrier shows every thread the answer. Reading
-     * one's own thread clock is exact (the kernel adds the running slice); another thread's, or
-     * the process's, lags by up to a scheduler tick (4 ms at HZ=250), a third of a 10 ms look. */
+    /* A look at op boundary b is agreed one boundary ahead: at b - 1 the master thread reads the
+     * wall clock and, when `probe` s have passed since the last look, marks b (due[b & 1]; the
+     * other buffer is the one being read at b - 1), which the op's closing barrier shows every
+     * thread. At a marked boundary each thread reads its own CPU clock (exact: the kernel adds
+     * the running slice; another thread's or the process's lags by up to a scheduler tick, 4 ms
+     * at HZ=250, a third of a 10 ms look), a barrier publishes them, the master looks and
+     * answers, and a second barrier publishes the answer: two barriers a look, none between.
+     * An unmarked boundary costs nothing but the master's wall clock read. */
     double cpu_now[LOOK_THREADS], cpu_then[LOOK_THREADS];
     double wall_then = bf_now();
-    int64_t next = L;
+    int due[2] = {0, 0}, ret = 0;
+    int64_t next = S;
     /* lora (NULL: no row of the step has an adapter): the records, [L][LL_N][lora_slots][LR_N];
      * each linear's update is added to its output before the op that reads it */
 #define LORA(ll, xin, K, yout, ldy) \
@@ -853,30 +863,13 @@ KERNEL(int64_t, forward_bf16, int64_t l0, int64_t L, const int64_t *lw, uint16_t
         const int me = omp_get_thread_num(), team = omp_get_num_threads();
         const int look = probe >= 0 && me < LOOK_THREADS;
         if (look) cpu_then[me] = thread_cpu();
-        for (int64_t l = l0; l < L; l++) {
-            const int64_t *p = lw + l * LW_N;
-            uint16_t *pl = pool + l * layer_elems;
-            const uint16_t *ln2 = PTR(const uint16_t *, p[LW_LN2]), *ln1 = PTR(const uint16_t *, p[LW_LN1_NEXT]);
-            mm_in_region(h, xf, M, D, p[LW_QKV], W, p[LW_QKV_B], qkv, dp);
-            LORA(LL_QKV, h, D, qkv, W);
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) rope_kv_row_bf16(r, qkv, H, KVH, hd, pos, cos_t, sin_t, pl, cap1, slots);
-            attention_items_bf16(sc, npad, qkv, W, pl, cap1, att, M, H, KVH, hd, slot_tab, off, ctx, scale);
-            mm_in_region(att, xf, M, H * hd, p[LW_O], D, 0, tmp, dp);
-            LORA(LL_O, att, H * hd, tmp, D);
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) rmsnorm_row_bf16(r, x, tmp, x, ln2, h, D, eps);
-            mm_in_region(h, xf, M, D, p[LW_GU], 2 * I, 0, gu, dp);
-            LORA(LL_GU, h, D, gu, 2 * I);
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) silu_mul_row_bf16(r, gu, act, I);
-            if (look) cpu_now[me] = thread_cpu();
-            mm_in_region(act, xf, M, I, p[LW_DOWN], D, 0, tmp, dp);
-            LORA(LL_DOWN, act, I, tmp, D);
-            #pragma omp master
-            if (probe >= 0 && l + 1 < L) {
-                const double now = bf_now(), wall = now - wall_then;
-                if (wall >= probe) {
+        for (int64_t b = s0; b < S; b++) {   /* b: the op boundary before op b % FWD_STAGES of layer b / FWD_STAGES */
+            if (probe >= 0 && b > s0 && due[b & 1]) {
+                if (look) cpu_now[me] = thread_cpu();
+                #pragma omp barrier
+                #pragma omp master
+                {
+                    const double now = bf_now(), wall = now - wall_then;
                     const int n = team < LOOK_THREADS ? team : LOOK_THREADS;
                     double low = 1.0, sum = 0.0;
                     for (int t = 0; t < n; t++) {
@@ -887,12 +880,56 @@ KERNEL(int64_t, forward_bf16, int64_t l0, int64_t L, const int64_t *lw, uint16_t
                     }
                     wall_then = now;
                     if (seen) seen[0] = (float)low, seen[1] = (float)sum, seen[2] = (float)wall;
-                    if (stop || low < least) next = l + 1;
+                    ret = stop || low < least;
+                    if (ret) next = b;
                 }
+                #pragma omp barrier
+                if (ret) break;
             }
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) rmsnorm_row_bf16(r, x, tmp, x, ln1, ln1 ? h : NULL, D, eps);
-            if (next < L) break;   /* all threads: `next` was written before the barrier above */
+            #pragma omp master
+            due[(b + 1) & 1] = probe >= 0 && bf_now() - wall_then >= probe;
+            const int64_t l = b / FWD_STAGES;
+            const int64_t *p = lw + l * LW_N;
+            uint16_t *pl = pool + l * layer_elems;
+            switch (b % FWD_STAGES) {   /* each op ends with its `omp for`'s barrier */
+            case FS_QKV:
+                mm_in_region(h, xf, M, D, p[LW_QKV], W, p[LW_QKV_B], qkv, dp);
+                LORA(LL_QKV, h, D, qkv, W);
+                break;
+            case FS_ROPE:
+                #pragma omp for schedule(static)
+                for (int64_t r = 0; r < M; r++) rope_kv_row_bf16(r, qkv, H, KVH, hd, pos, cos_t, sin_t, pl, cap1, slots);
+                break;
+            case FS_ATTN:
+                attention_items_bf16(sc, npad, qkv, W, pl, cap1, att, M, H, KVH, hd, slot_tab, off, ctx, scale);
+                break;
+            case FS_O:
+                mm_in_region(att, xf, M, H * hd, p[LW_O], D, 0, tmp, dp);
+                LORA(LL_O, att, H * hd, tmp, D);
+                break;
+            case FS_LN2:
+                #pragma omp for schedule(static)
+                for (int64_t r = 0; r < M; r++)
+                    rmsnorm_row_bf16(r, x, tmp, x, PTR(const uint16_t *, p[LW_LN2]), h, D, eps);
+                break;
+            case FS_GU:
+                mm_in_region(h, xf, M, D, p[LW_GU], 2 * I, 0, gu, dp);
+                LORA(LL_GU, h, D, gu, 2 * I);
+                break;
+            case FS_SILU:
+                #pragma omp for schedule(static)
+                for (int64_t r = 0; r < M; r++) silu_mul_row_bf16(r, gu, act, I);
+                break;
+            case FS_DOWN:
+                mm_in_region(act, xf, M, I, p[LW_DOWN], D, 0, tmp, dp);
+                LORA(LL_DOWN, act, I, tmp, D);
+                break;
+            default: {  /* FS_LN1: the residual add, and the next layer's input norm (none after the last) */
+                const uint16_t *ln1 = PTR(const uint16_t *, p[LW_LN1_NEXT]);
+                #pragma omp for schedule(static)
+                for (int64_t r = 0; r < M; r++) rmsnorm_row_bf16(r, x, tmp, x, ln1, ln1 ? h : NULL, D, eps);
+            }
+            }
         }
         free(sc);
     }

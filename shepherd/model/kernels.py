@@ -33,8 +33,8 @@ log = logging.getLogger("shepherd")
 
 @dataclass(frozen=True)
 class StackWatch:
-    """What the one-call layer stack (Kernels.layer_stack) watches for until it returns at a layer
-    boundary: a look every `probe` s (kernels.c forward_bf16: each thread's CPU time against the
+    """What the one-call layer stack (Kernels.layer_stack) watches for until it returns at an op
+    boundary (between layers, or between the ops of one): a look every `probe` s (kernels.c forward_bf16: each thread's CPU time against the
     wall time since the last look); it returns at the first look when `least` is None (a time
     budget), else at the first look where a thread got less than `least` of the wall."""
     probe: float
@@ -49,6 +49,10 @@ class StackLook:
     cpus: float
     wall: float
 
+
+# the ops of one layer in the one-call stack: kernels.layer_stack counts in them, and can stop
+# and start again at the boundary before any of them
+STACK_OPS = len(kernel_abi.FORWARD_STAGES)
 
 # what a between-layers hook returns (model/llama.py): None (no more looks in this forward), a
 # StackWatch, or s to its next call (a StackWatch(s): a time budget)
@@ -245,15 +249,17 @@ class Kernels:
     def layer_stack(self, *, lw, x, h, H, KVH, hd, I, pos, cos, sin, kv_pool, slots, slot_tab, off, ctx,
                     max_ctx, scale, eps, lora=None, lora_rows=None
                     ) -> Callable[[int, int, Optional[StackWatch]], tuple[int, Optional[StackLook]]]:
-        """One forward's layer stack (kernels.c forward_bf16) as `run(a, b, watch)`: layers a..b-1,
-        or, with a StackWatch, only up to the first layer boundary where its look says return; it
-        returns the layer it stopped before (b: all done) and that look (None when all done). x
-        [T, D] is updated in place to the residual stream after the last layer run; h [T, D] holds
-        rmsnorm(x) * ln1 of layer a on entry and of the returned layer on return (scratch after the
-        last layer), so run(0, n, None) and runs over [0, a), [a, b), ..., [., n) give the same bits.
+        """One forward's layer stack (kernels.c forward_bf16) as `run(a, b, watch)`: the ops at
+        positions a..b-1 (position layer * STACK_OPS + op, the ops of kernel_abi.FORWARD_STAGES),
+        or, with a StackWatch, only up to the first op boundary where its look says return; it
+        returns the position it stopped before (b: all done) and that look (None when all done).
+        x [T, D] is updated in place to the residual stream; h [T, D] holds rmsnorm(x) * ln1 of
+        layer a // STACK_OPS on entry at a layer's first op, and the op scratch (allocated here, once
+        per forward, not once per range) carries every other op's input from one call to the next,
+        so run(0, n, None) and runs over [0, a), [a, b), ..., [., n) give the same bits, whatever
+        thread count each runs at (every op's items are computed whole by one thread).
         lw: layer_weights' table. lora: the LoRA records [L, linears, slots, fields] (model/lora.py)
-        and lora_rows the step's LoraRows, or None (no row has an adapter). The scratch rows are
-        allocated here, once per forward, not once per range."""
+        and lora_rows the step's LoraRows, or None (no row has an adapter)."""
         T, D = x.shape
         W = (H + 2 * KVH) * hd
         e = lambda n: torch.empty((T, n), dtype=torch.bfloat16)
@@ -271,11 +277,11 @@ class Kernels:
             lslot=None if lora_rows is None else lora_rows.lslot,
             nitems=0 if lora_rows is None else lora_rows.nitems, seen=seen)
 
-        def run(l0: int, L: int, watch: Optional[StackWatch]) -> tuple[int, Optional[StackLook]]:
+        def run(a: int, b: int, watch: Optional[StackWatch]) -> tuple[int, Optional[StackLook]]:
             if watch is None:
-                return call(l0=l0, L=L, probe=-1.0, least=0.0, stop=0), None
-            nxt = call(l0=l0, L=L, probe=watch.probe, least=watch.least or 0.0, stop=int(watch.least is None))
-            return nxt, (StackLook(*seen.tolist()) if nxt < L else None)
+                return call(s0=a, S=b, probe=-1.0, least=0.0, stop=0), None
+            nxt = call(s0=a, S=b, probe=watch.probe, least=watch.least or 0.0, stop=int(watch.least is None))
+            return nxt, (StackLook(*seen.tolist()) if nxt < b else None)
         return run
 
     def rmsnorm(self, x, w, eps, delta=None, h=None) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from shepherd.config import ModelConfig
-from shepherd.model.kernels import StackLook, StackWatch, Watch
+from shepherd.model.kernels import STACK_OPS, StackLook, StackWatch, Watch
 from shepherd.model.lora import LoraPool, LoraRows
 from shepherd.model.quant import QLinear, cat_rows, dequantize, quantize_int8
 
@@ -225,8 +225,9 @@ class LlamaModel:
         # stretching. It returns a kernels.Watch: None (not again in this forward), a StackWatch,
         # or s to its next call. The per-op paths call it before every layer until None, with look
         # None; where the stack runs in one C call (kernels.layer_stack), that call returns at the
-        # first layer boundary where the watch says so (a look that found a thread descheduled, or
-        # the time asked for), and the hook gets that look (kernels.StackLook; None at layer 0);
+        # first op boundary (between layers or inside one) where the watch says so (a look that
+        # found a thread descheduled, or the time asked for), and the hook gets the layer it
+        # stopped in and that look (kernels.StackLook; None at the forward's start);
         # after a None the rest of the stack runs in one go (the governor: at one thread)
         self.between_layers: Optional[Callable[[int, Optional[StackLook]], Watch]] = None
         esz = torch.empty((), dtype=dtype).element_size()
@@ -369,12 +370,15 @@ class LlamaModel:
             # 1.0-1.6 ms of a 13 ms one-row decode step: benchmarks/step_time.py --watch every;
             # the governor's watch returns only at a look that found a thread descheduled);
             # x and h carry the state from one call to the next
-            n, li, hook, look = len(self.layers), 0, self.between_layers, None
-            while li < n:
-                want = None if hook is None else hook(li, look)
+            # (positions count ops, STACK_OPS a layer: the stack returns between the ops of a layer
+            # too, so a look finds contention within an op, not a 30-92 ms layer, of its start;
+            # the hook is told the layer it is in)
+            n, at, hook, look = len(self.layers) * STACK_OPS, 0, self.between_layers, None
+            while at < n:
+                want = None if hook is None else hook(at // STACK_OPS, look)
                 if want is None:
                     hook = None
-                li, look = run(li, n, want if want is None or isinstance(want, StackWatch) else StackWatch(want))
+                at, look = run(at, n, want if want is None or isinstance(want, StackWatch) else StackWatch(want))
             return self._logits(x, inp)
         hook = self.between_layers
         for li, L in enumerate(self.layers):
