@@ -141,16 +141,23 @@ def test_thread_count_changed_between_layers_keeps_the_tokens(ex, prompts, alone
         elif layer == 5:
             torch.set_num_threads(1)
         return 0.0 if layer < 5 else None
-    ex.watch_layers(hook)
-    try:
-        together = Loop(ex, seed=4).run(prompts, arrive=[i // 3 for i in range(len(prompts))])
-    finally:
-        ex.watch_layers(None)
-        torch.set_num_threads(full)
+    together = _run_watched(ex, hook, prompts, seed=4, arrive=[i // 3 for i in range(len(prompts))])
     per = _per_layer(ex)
     once = [li for li in range(5) for _ in range(per)] + [5]
     assert seen and seen == once * (len(seen) // len(once))
     assert together == alone
+
+
+def _run_watched(ex, hook, prompts, seed: int, **kw) -> list:
+    """`Loop(ex, seed).run(prompts, **kw)` with `hook` watching the layers; after it, no hook and
+    every thread again, whatever the hook left set."""
+    full = torch.get_num_threads()
+    ex.watch_layers(hook)
+    try:
+        return Loop(ex, seed=seed).run(prompts, **kw)
+    finally:
+        ex.watch_layers(None)
+        torch.set_num_threads(full)
 
 
 def _per_layer(ex) -> int:
@@ -174,12 +181,7 @@ def test_thread_count_changed_at_every_op_boundary_keeps_the_tokens(ex, prompts,
         calls.append(layer)
         torch.set_num_threads(1 if len(calls) % 2 else full)
         return 0.0
-    ex.watch_layers(hook)
-    try:
-        together = Loop(ex, seed=5).run(prompts, arrive=[i // 3 for i in range(len(prompts))])
-    finally:
-        ex.watch_layers(None)
-        torch.set_num_threads(full)
+    together = _run_watched(ex, hook, prompts, seed=5, arrive=[i // 3 for i in range(len(prompts))])
     n = len(ex.model.layers) * _per_layer(ex)
     assert calls and len(calls) % n == 0
     assert together == alone
@@ -206,12 +208,7 @@ def test_governor_looks_between_layers_of_every_path(ex, prompts):
             seen.append(layer)
             looks.append(look)
             return gov.between_layers(layer, look)
-        ex.watch_layers(hook)
-        try:
-            Loop(ex, seed=11).run(prompts[:2], new=2)
-        finally:
-            ex.watch_layers(None)
-            torch.set_num_threads(full)
+        _run_watched(ex, hook, prompts[:2], seed=11, new=2)
         assert gov.threads == full and gov.mid_step_drops == 0
         once = [li for li in range(n) for _ in range(_per_layer(ex))]   # the stack: every op boundary
         if least or not stack:

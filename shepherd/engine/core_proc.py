@@ -103,21 +103,21 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     # team only for the initial thread; driven from another thread, every parallel region paid
     # for a fresh team and a decode step took 40 ms instead of 22 (benchmarks/omp_thread.py).
     gov = governor(cfg, threads)
-    if gov is not None and mid_step_rule(served.core.executor):
+    if gov is not None and mid_step_rule():
         served.core.executor.watch_layers(gov.between_layers)
     if not _serve(served, conn, log, gov):
         sys.exit(1)
 
 
-def mid_step_rule(executor) -> bool:
+def mid_step_rule() -> bool:
     """Whether the thread governor's mid-step rule (threads.py) watches the model's layers: yes
     unless SHEPHERD_GOVERNOR_MID_STEP=0 (the window rule alone; benchmarks/threads_contention.py
     and stall_attacks.py measure the two side by side). On the one-call layer stack
     (kernels.layer_stack, this Intel Xeon's default path) it was opt-in until the C call looked
     for itself (each thread's CPU time, so a quiet step is one call) and a drop came back within
     one 0.1 s window once the cores were free: before that it cost 64 served streams 2-10 % of
-    their tok/s (docs/SERVING.md)."""
-    del executor    # every path: the per-op paths call the hook between layers, the stack looks in C
+    their tok/s (docs/SERVING.md). Every path alike: the per-op paths call the hook between
+    layers, the stack looks in C."""
     return os.environ.get("SHEPHERD_GOVERNOR_MID_STEP", "") != "0"
 
 
