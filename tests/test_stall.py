@@ -8,7 +8,8 @@ first measures both with no attack, in the same test. Bounds: every attacker
 gets 400, 413 or 429; /health p99 stays under 0.5 s; the innocent stream's
 longest gap stays under twice its no-attack figure plus 0.5 s of slack for a
 shared 2-core machine (before issue 31 these attacks stalled both for seconds
-to tens of seconds). The window ends when every attacker has its answer; the
+to tens of seconds). A row that misses a timing bound is measured once more and
+fails only if it misses again (check_attacks says why). The window ends when every attacker has its answer; the
 test never sleeps to synchronise.
 """
 from __future__ import annotations
@@ -190,10 +191,21 @@ def check_attacks(url: str, target: str, attacks: dict, repeat: int = REPEAT) ->
     _, base_p99, base_gap = measure(url, None)
     report, failed = [f"{target}: no attack: /health p99 {base_p99:.3f} s, longest gap {base_gap:.3f} s"], []
     for name, attack in attacks.items():
-        statuses, p99, gap = measure(url, attack, repeat)
-        report.append(f"{name}: {statuses}, /health p99 {p99:.3f} s, longest gap {gap:.3f} s")
-        if not all(s in (400, 413, 429) for s in statuses) or p99 >= 0.5 or gap >= 2 * base_gap + GAP_SLACK:
-            failed.append(report[-1])
+        for attempt in (1, 2):
+            statuses, p99, gap = measure(url, attack, repeat)
+            report.append(f"{name}{' (again)' if attempt == 2 else ''}: {statuses}, "
+                          f"/health p99 {p99:.3f} s, longest gap {gap:.3f} s")
+            if not all(s in (400, 413, 429) for s in statuses):
+                failed.append(report[-1])      # a wrong answer is never a matter of timing
+                break
+            # A window holds a few dozen polls, so its p99 is its slowest poll: one preemption of
+            # the server by another process on a shared 2-core machine can cross the bound once
+            # (CI, c02b802: one Ray row 0.52 s, its neighbours 0.13-0.21 s). A stall the issue is
+            # about (seconds, on every copy) misses both windows, so only a second miss fails.
+            if p99 < 0.5 and gap < 2 * base_gap + GAP_SLACK:
+                break
+            if attempt == 2:
+                failed.append(report[-1])
     print("\n".join(report))
     assert not failed, "\n".join(report)
     assert httpx.get(url + "/health", timeout=5).status_code == 200
