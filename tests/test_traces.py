@@ -69,6 +69,20 @@ def test_csv_reader_rejects_missing_column(tmp_path):
         F.read_azure(p)
 
 
+@pytest.mark.parametrize("name,text", [
+    ("az.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"),
+    ("sg.csv", "timestamp_s,client_id,input_tokens,output_tokens\n0.5,3,100,20\n"),
+    ("mc.jsonl", '{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n'),
+])
+def test_readers_take_a_file_saved_with_a_utf8_bom_and_crlf(tmp_path, name, text):
+    # a trace saved by a spreadsheet or a Windows editor starts with a byte-order mark and ends
+    # its lines with CRLF; its header must still be found, its format still told from it
+    p = tmp_path / name
+    p.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    (r,) = T.load_trace(p)
+    assert r.prompt_tokens in (374, 100, 600)
+
+
 @pytest.mark.parametrize("bad,msg", [
     ("{not json", "not valid JSON"),
     ('{"timestamp": 5, "input_length": 100}', "output_length"),

@@ -37,6 +37,11 @@ class TraceFormatError(ValueError):
     """A trace row could not be read: the message names the file and line."""
 
 
+# UTF-8 whatever the locale, and a byte-order mark (a spreadsheet's or Windows editor's "UTF-8")
+# dropped, so the first column's name is found in the header
+ENCODING = "utf-8-sig"
+
+
 def format_error(path, lineno: int, msg: str) -> TraceFormatError:
     return TraceFormatError(f"{path}:{lineno}: {msg}")
 
@@ -101,7 +106,7 @@ def _ordered(rows: Iterable[TraceRequest], path, limit: Optional[int] = None) ->
 def _csv_rows(path, required: Sequence[str]):
     """Yield (lineno, row dict) with a clear error on a bad header or ragged row."""
     path = Path(path)
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding=ENCODING) as f:
         reader = csv.reader(f)
         try:
             header = next(reader)
@@ -158,7 +163,7 @@ def read_azure(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
 
 def _mooncake_rows(path, block_size: int) -> Iterator[TraceRequest]:
     path = Path(path)
-    with path.open() as f:
+    with path.open(encoding=ENCODING) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -220,7 +225,7 @@ def detect_format(path) -> str:
         return "mooncake"
     if p.endswith(".json"):
         return "synthetic"
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding=ENCODING) as f:
         header = f.readline()
     if "ContextTokens" in header:
         return "azure"
