@@ -548,6 +548,38 @@ def test_serve_config_errors_exit_2(args, needle):
     assert "shepherd serve: error:" in p.stderr and needle in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["--max-batch-size", "0"], "max_batch_size must be >= 1"),
+    (["--max-num-tokens", "0"], "max_num_tokens must be >= 1"),
+    (["--policy", "fcfs", "--max-queue", "0"], "max_queue must be >= 1"),
+])
+def test_scheduler_knobs_are_checked_before_anything_loads(args, needle):
+    # build_configs runs before the engine is built; a scheduler knob it let through was reported
+    # only once the model had loaded (seconds, for a large model)
+    import argparse
+
+    from shepherd.server import serve_cli
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    with pytest.raises(serve_cli.ConfigError, match=needle):
+        serve_cli.build_configs(p.parse_args(args))
+    serve_cli.build_configs(p.parse_args(["--page-size", "16"]))   # the stand-in capacity is whole pages
+
+
+def test_serve_on_a_taken_port_exits_2_before_the_engine_starts():
+    import subprocess
+    import sys
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "shepherd", "serve", "--executor", "sim", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert f"shepherd serve: error: cannot listen on 127.0.0.1 port {port}" in p.stderr, p.stderr[-2000:]
+    assert "KV cache" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
 def test_mixed_load_with_disconnects_leaves_nothing_behind(tok):
     """Many concurrent requests, streaming and not, some clients vanishing mid-way:
     afterwards the scheduler is idle, all KV is back, and the engine tracks nothing."""

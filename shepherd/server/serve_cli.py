@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import dataclasses
 import os
+import socket
 import sys
 from typing import Optional
 
@@ -195,8 +197,10 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         if args.max_total_tokens < 1:
             raise ConfigError(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}")
         sched.max_total_tokens = args.max_total_tokens
-    # the scheduler's knobs are validated once, by the engine's builder (engine/build.py), against
-    # the KV capacity the executor builds
+    # the scheduler's knobs are checked here, before anything loads, against a stand-in capacity of
+    # one page when none is given; the engine's builder (engine/build.py) validates them again
+    # against the KV capacity the executor builds
+    dataclasses.replace(sched, max_total_tokens=args.max_total_tokens or max(1, args.page_size)).validate()
     eng = EngineConfig(model=args.model, dtype=args.dtype, executor=args.executor,
                        max_total_tokens=args.max_total_tokens, host_kv_tokens=args.host_kv_tokens,
                        batch_invariant=args.batch_invariant, num_threads=args.num_threads,
@@ -242,6 +246,26 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     return eng, srv
 
 
+def check_listen(host: str, port: int) -> None:
+    """Bind every address uvicorn will listen on (asyncio's create_server: each getaddrinfo
+    result, SO_REUSEADDR, IPv6 only on IPv6), then let go, so a port that is taken or an address
+    this machine does not have is a ConfigError before the model loads rather than uvicorn's
+    error after it. A port taken in between still gets uvicorn's own error."""
+    try:
+        infos = set(socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r}: {e.strerror}") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                raise ConfigError(f"cannot listen on {addr[0]} port {port}: {e.strerror or e}") from None
+
+
 def build_engine(args, eng_cfg: EngineConfig):
     """The engine behind the server: the core in its own process (default) or in a thread."""
     if args.engine_core == "process":
@@ -259,6 +283,7 @@ def main(args) -> int:
     log = logging.getLogger("shepherd.serve")
     try:
         eng_cfg, srv_cfg = build_configs(args)
+        check_listen(srv_cfg.host, srv_cfg.port)
     except ConfigError as e:
         print(f"shepherd serve: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
