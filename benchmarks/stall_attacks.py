@@ -8,6 +8,7 @@
     python benchmarks/stall_attacks.py --target gateway --write docs/SERVING.md --section gateway
     python benchmarks/stall_attacks.py --target ray --write docs/SERVING.md --section ray   # Ray Serve
     python benchmarks/stall_attacks.py --attacks schema,fullbias --streams 32   # accepted bodies through the core pipe
+    python benchmarks/stall_attacks.py --attacks prompt,chat --dump /tmp/w.json  # each window's raw chunk times
 
 For each attack: an innocent client streams a completion (the official
 `openai` client, greedy, ignore_eos) and a poller GETs /health every 20 ms;
@@ -202,7 +203,8 @@ async def window(url: str, model: str, attack, repeat: int, max_tokens: int, tim
     return {"statuses": counts, "window_s": t1 - t0, "health_p99": p99(lat), "health_max": max(lat, default=0.0),
             "gap_max": longest_gap(chunks, t0, t1), "gap_median": statistics.median(gaps) if gaps else 0.0,
             "answer_s": [d for _, d in answers], "t0": t0, "wall0": wall0, "t1": t1, "t_end": t_end,
-            "chunks": [(k, t) for k, t in chunks if t0 - 1.0 <= t <= t_end]}
+            "chunks": [(k, t) for k, t in chunks if t0 - 1.0 <= t <= t_end],
+            "all_chunks": chunks}     # --dump: every chunk, so a chunk's place in its stream is known
 
 
 def fmt_statuses(c: dict) -> str:
@@ -348,6 +350,9 @@ def main() -> None:
                     "the burst of starting the clients)")
     ap.add_argument("--profile", action="store_true", help="also print where the CPU went in each window "
                     "(per process, from /proc; benchmarks/proc_sampler.py) and a 0.1 s timeline")
+    ap.add_argument("--dump", default=None, help="a JSON file for each window's raw figures: the innocent "
+                    "stream's chunk arrival times (time.perf_counter: CLOCK_MONOTONIC, the clock a probe in the "
+                    "server and the core can stamp with), the window's bounds, the attackers' statuses")
     ap.add_argument("--section", default="", help="with --write: the markers stall-attacks-SECTION (a second "
                     "table in the same file, e.g. gateway, before)")
     args = ap.parse_args()
@@ -379,6 +384,9 @@ def main() -> None:
             stop_server(p)
     block = table(rows, args.repeat, args.target)
     print("\n" + block)
+    if args.dump:
+        with open(args.dump, "w", encoding="utf-8") as f:
+            json.dump([{"attack": "none" if label is None else label, **r} for label, r in rows], f)
     if args.write:
         write_docs(args.write, block, args.section)
 
