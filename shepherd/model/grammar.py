@@ -15,8 +15,9 @@ per request, fed from the request's own output tokens before every step, so
 a request that was preempted and recomputed (or resumed on a fresh executor)
 rebuilds its matcher state from the tokens alone.
 
-JSON is compact (no free whitespace between tokens): small models otherwise
-loop on newlines inside an object until max_tokens.
+JSON has fixed separators (", " and ": ", xgrammar's default without any_whitespace)
+and no other whitespace: small models otherwise loop on newlines inside an object
+until max_tokens.
 
 Why xgrammar: its masks are precomputed per grammar state (adaptive token
 mask cache), so a step costs tens of microseconds per stream on this CPU;
