@@ -552,6 +552,8 @@ def test_serve_config_errors_exit_2(args, needle):
     (["--max-batch-size", "0"], "max_batch_size must be >= 1"),
     (["--max-num-tokens", "0"], "max_num_tokens must be >= 1"),
     (["--policy", "fcfs", "--max-queue", "0"], "max_queue must be >= 1"),
+    (["--speculative-config", '{"method": "draft_model", "model": "/no/such/draft.gguf"}'],
+     "draft model path '/no/such/draft.gguf' does not exist"),
 ])
 def test_scheduler_knobs_are_checked_before_anything_loads(args, needle):
     # build_configs runs before the engine is built; a scheduler knob it let through was reported

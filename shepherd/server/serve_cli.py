@@ -226,6 +226,10 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         raise ConfigError(f"model path {args.model!r} does not exist (expected a .gguf file or a Hugging Face "
                           "folder)")
+    draft = sched.speculative.model if sched.speculative is not None else None
+    if draft and not os.path.exists(os.path.expanduser(draft)):
+        raise ConfigError(f"--speculative-config: draft model path {draft!r} does not exist (expected a .gguf "
+                          "file or a Hugging Face folder)")
     template = None
     if args.chat_template:
         try:
