@@ -40,13 +40,23 @@ def free_port() -> int:
 
 
 def wait_until(pred, timeout: float, what: str, every: float = 0.1):
+    """`pred()`'s first truthy value, asked every `every` s until `timeout`. An HTTP error from the
+    predicate (most ask the ingress's /metrics or /health) counts as "not yet": on two loaded cores
+    Serve's proxy once took over 10 s to answer the first /health after a deploy, and that ReadTimeout
+    failed the setup of test_ray_stall.py while the deadline still had time left. A condition that is
+    never met still fails at the deadline, naming the last error."""
     deadline = time.monotonic() + timeout
+    last = None
     while True:
-        got = pred()
+        try:
+            got = pred()
+        except httpx.HTTPError as e:
+            got, last = None, e
         if got:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}"
+                                 + (f" (last error: {last!r})" if last is not None else ""))
         time.sleep(every)
 
 
