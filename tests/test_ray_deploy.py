@@ -499,3 +499,32 @@ def test_replica_serves_shepherds_app_and_a_cancelled_call_aborts_the_engine_req
             rep.check_health()
         assert "shepherd-grammar-check" not in [p.name for p in multiprocessing.active_children()]
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("argv,have,per,error", [
+    (["--replicas", "2"], 2.0, 0.87, None),                      # DEPLOY.md's one-machine command, 2 CPUs
+    (["--replicas", "4", "--executor", "sim"], 2.0, 0.43, None),
+    (["--replicas", "1"], 8.0, 1.0, None),                       # room: the default 1 CPU
+    (["--replicas", "2", "--num-cpus-per-replica", "1"], 2.0, 1.0, "--num-cpus-per-replica 0.87 fits"),
+    (["--replicas", "2", "--num-cpus", "4"], 2.0, 1.0, None),    # --num-cpus is the local Ray's size
+    (["--replicas", "1", "--ingress-replicas", "9"], 2.0, 0.0, "need 2.25 CPUs.*fewer --ingress-replicas"),
+])
+def test_a_local_ray_is_never_asked_for_more_cpus_than_it_has(argv, have, per, error):
+    # with --address local, Ray has the machine's CPUs; replicas of 1 CPU each and a 0.25-CPU
+    # ingress that do not fit wait for CPUs forever, and `shepherd ray-serve` never answered
+    import argparse
+
+    from shepherd.config import ConfigError
+    from shepherd.deploy import ray_cli
+    p = argparse.ArgumentParser()
+    ray_cli.add_arguments(p)
+    args = p.parse_args(argv)
+    opts = ray_cli.options_from(args)
+    have = args.num_cpus if args.num_cpus is not None else have
+    if error:
+        with pytest.raises(ConfigError, match=error):
+            ray_cli.fit_local(opts, have, chosen=args.num_cpus_per_replica is not None)
+        return
+    ray_cli.fit_local(opts, have, chosen=args.num_cpus_per_replica is not None)
+    assert opts.num_cpus_per_replica == per
+    assert opts.replicas * per + opts.ingress_replicas * opts.ingress_num_cpus <= have

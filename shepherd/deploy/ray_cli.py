@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import signal
 import sys
 import threading
@@ -36,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--num-cpus", type=float, default=None,
                    help="--address local: CPUs the local Ray instance offers (default: all)")
     r.add_argument("--replicas", type=int, default=1, help="shepherd replicas (with autoscaling: the initial count)")
-    r.add_argument("--num-cpus-per-replica", type=float, default=1.0,
-                   help="CPUs Ray reserves for each replica (default %(default)s)")
+    r.add_argument("--num-cpus-per-replica", type=float, default=None,
+                   help="CPUs Ray reserves for each replica (default 1; with --address local, at most the "
+                        "share of the local Ray's CPUs that lets every replica and the ingress start)")
     r.add_argument("--router", default="least-request",
                    help=f"routing policy: {', '.join(POLICY_NAMES)}; or Ray's own: {', '.join(PEER_ROUTERS)} "
                         "(default %(default)s)")
@@ -73,7 +76,8 @@ def options_from(args: argparse.Namespace):
     from shepherd.deploy.ray_ingress import IngressConfig
     from shepherd.deploy.ray_serve import RayServeOptions
     return RayServeOptions(
-        replicas=args.replicas, num_cpus_per_replica=args.num_cpus_per_replica, router=args.router,
+        replicas=args.replicas, router=args.router,
+        num_cpus_per_replica=1.0 if args.num_cpus_per_replica is None else args.num_cpus_per_replica,
         router_knobs=parse_knobs(args.router_knob), min_replicas=args.min_replicas,
         max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
         upscale_delay_s=args.upscale_delay, downscale_delay_s=args.downscale_delay,
@@ -81,6 +85,26 @@ def options_from(args: argparse.Namespace):
         ingress_replicas=args.ingress_replicas, routing_stats_period_s=args.routing_stats_period,
         replica_http=args.replica_http,
         ingress=IngressConfig(retries=args.retries, read_timeout=args.read_timeout))
+
+
+def fit_local(opts, have: float, chosen: bool) -> None:
+    """--address local: the first replicas and the ingress must fit the CPUs the local Ray offers
+    (`have`), or Ray waits for CPUs forever and the command never answers (`--replicas 2` on a
+    2-CPU machine needs 2.25). A reservation the user did not choose becomes each replica's share
+    of what the ingress leaves, at most 1; one they chose is checked. Raises ConfigError."""
+    from shepherd.config import ConfigError
+    n = max(opts.replicas, 1)
+    ingress = opts.ingress_replicas * opts.ingress_num_cpus
+    fit = max(0.0, min(1.0, math.floor((have - ingress) / n * 100) / 100))
+    if not chosen:
+        opts.num_cpus_per_replica = fit
+    need = n * opts.num_cpus_per_replica + ingress
+    if need > have + 1e-9:
+        raise ConfigError(f"{n} replica(s) x {opts.num_cpus_per_replica:g} CPU + {opts.ingress_replicas} ingress x "
+                          f"{opts.ingress_num_cpus:g} CPU need {need:g} CPUs, more than the {have:g} the local Ray "
+                          f"offers (--num-cpus, default this machine's), so Ray would wait for them forever: "
+                          + (f"--num-cpus-per-replica {fit:g} fits, or fewer --replicas" if have > ingress
+                             else "fewer --ingress-replicas"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -96,6 +120,9 @@ def main(args: argparse.Namespace) -> int:
     from shepherd.deploy.ray_serve import build_app, deploy
     try:
         opts = options_from(args)
+        if args.address == "local":
+            fit_local(opts, args.num_cpus if args.num_cpus is not None else float(os.cpu_count() or 1),
+                      chosen=args.num_cpus_per_replica is not None)
         build_app(opts, args)            # every flag checked before Ray starts
     except (ConfigError, ValueError) as e:
         print(f"shepherd ray-serve: error: {e}", file=sys.stderr)
@@ -106,7 +133,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         deploy(opts, args, address=args.address, host=args.host, port=args.port, app_name=args.app_name,
                route_prefix=args.route_prefix, proxy_location=args.proxy_location, num_cpus=args.num_cpus)
-        print(f"shepherd ray-serve: {args.replicas} replica(s), router {args.router}, serving on "
+        print(f"shepherd ray-serve: {args.replicas} replica(s) of {opts.num_cpus_per_replica:g} CPU, router "
+              f"{args.router}, serving on "
               f"http://{args.host}:{args.port}{args.route_prefix.rstrip('/')}/v1", flush=True)
         stop.wait()
     finally:
