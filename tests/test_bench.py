@@ -196,6 +196,15 @@ def test_timeout_and_dead_endpoint(server, tmp_path):
     assert _bench(dead, tmp_path / "dead2", "--num-requests", 1) == 2
 
 
+@pytest.mark.parametrize("rate", ["0", "-1", "nan"])
+def test_a_rate_that_is_not_positive_is_refused_before_anything_is_sent(server, tmp_path, capsys, rate):
+    _reset(server)
+    assert _bench(server.url, tmp_path, "--num-requests", 2, "--input-len", 4, "--output-len", 4,
+                  f"--rate={rate}") == 2
+    assert "--rate must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "summary.json").exists() and server.count == 0
+
+
 def test_all_fail_500(server, tmp_path):
     rc = _bench(server.url + "/all500", tmp_path, "--num-requests", 5, "--input-len", 4, "--output-len", 4)
     assert rc == 1
