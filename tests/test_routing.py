@@ -361,6 +361,11 @@ def test_parse_weights():
         parse_weights("bogus=1")
     with pytest.raises(ValueError):
         parse_weights("prefix=0")
+    # a weight that is not a number names the scorer (it was float()'s bare message)
+    with pytest.raises(ValueError, match=r"scorer weight prefix='abc': the weight must be a number"):
+        parse_weights("prefix=abc,load=1")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        parse_weights("prefix=nan")
 
 
 def test_weighted_scores_normalised_and_combined():

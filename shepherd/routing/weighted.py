@@ -29,8 +29,11 @@ def parse_weights(spec: "str | dict | None") -> dict:
     for k, v in items:
         if k not in SCORERS:
             raise ValueError(f"unknown scorer {k!r}; known: {', '.join(SCORERS)}")
-        w = float(v)
-        if w < 0:
+        try:
+            w = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"scorer weight {k}={v!r}: the weight must be a number") from None
+        if not w >= 0:                 # nan too
             raise ValueError(f"scorer weight {k}={w} must be >= 0")
         out[k] = w
     if not any(out.values()):
