@@ -220,6 +220,21 @@ def test_cli_writes_summary(tmp_path):
                  "--format", "azure"]) == 2
 
 
+def test_simulate_refuses_an_empty_workload_and_a_rate_of_zero(tmp_path, capsys):
+    # a trace with only its header simulated 0 requests and wrote a report of nothing (exit 0);
+    # --rate 0 read as "no --rate" (exit 1, "give --trace FILE, or --rate R")
+    from shepherd.cli import main
+    empty = tmp_path / "empty.csv"
+    empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    assert main(["simulate", "--trace", str(empty), "--out", str(tmp_path / "e"), "--no-progress"]) == 2
+    assert "the workload is empty" in capsys.readouterr().err
+    assert not (tmp_path / "e" / "summary.json").exists()
+    assert main(["simulate", "--rate", "0", "--out", str(tmp_path / "z"), "--no-progress"]) == 2
+    assert "rate must be > 0" in capsys.readouterr().err
+    assert main(["simulate", "--out", str(tmp_path / "n"), "--no-progress"]) == 2
+    assert "give --trace FILE" in capsys.readouterr().err
+
+
 def test_request_that_outgrows_the_pool_alone_ends_with_an_error_record():
     # Optimistic admission takes it (the prompt fits); decoding then needs more KV than the
     # whole pool, and the scheduler ends it with an error inside schedule(). The simulator

@@ -207,12 +207,12 @@ def _workload(args, S, T):
         clients = S.parse_clients(args.clients, input_len=args.input_len, output_len=args.output_len,
                                   arrival=args.arrival, cv=args.burstiness,
                                   system_prompt_tokens=args.shared_prefix, turns=args.turns)
-    elif args.rate:
+    elif args.rate is not None:        # 0 too: ClientSpec refuses it ("rate must be > 0")
         clients = [S.ClientSpec("default", rate=args.rate, input_len=args.input_len, output_len=args.output_len,
                                 arrival=args.arrival, cv=args.burstiness, system_prompt_tokens=args.shared_prefix,
                                 turns=args.turns)]
     else:
-        raise SystemExit("shepherd simulate: give --trace FILE, or --rate R / --clients SPEC for a synthetic workload")
+        raise ValueError("give --trace FILE, or --rate R / --clients SPEC for a synthetic workload")
     for c in clients:
         c.think_time = args.think_time
         c.diurnal = args.diurnal
@@ -298,6 +298,10 @@ def main(args) -> int:
         print(f"shepherd simulate: {e}", file=sys.stderr)
         return 2
     wall = time.perf_counter() - t0
+    if not result.stats.n:             # as bench says: a report of nothing is a mistake's result
+        print(f"shepherd simulate: the workload is empty{f' ({args.trace} has no requests)' if args.trace else ''}",
+              file=sys.stderr)
+        return 2
     summary = result.summary(slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
                              extra={"trace": args.trace, "workload_requests": result.stats.n})
     summary["wall_s"] = wall
