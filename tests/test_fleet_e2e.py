@@ -67,7 +67,10 @@ class Replica:
                 return httpx.get(self.url + "/health", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
-        wait_until(up, 120, "the replica to start")
+        # 240 s as test_stall's for the same start: serve answers only once its grammar worker (nice
+        # 10) has imported xgrammar; ~20 s a replica beside two busy loops, 66-74 s a test in
+        # test_core_process with another test run beside those (Intel Xeon family 6 model 207, 2 cores)
+        wait_until(up, 240, "the replica to start")
         return self
 
     def stop(self):
