@@ -564,6 +564,20 @@ def test_cli_parses_and_rejects_bad_config():
     assert gateway_cli.main(p.parse_args(["--backend", "x:1", "--policy", "nope"])) == 2
 
 
+def test_gateway_on_a_taken_port_exits_2_with_one_line(capsys):
+    import argparse
+    import socket
+    from shepherd.gateway import gateway_cli
+    p = argparse.ArgumentParser()
+    gateway_cli.add_arguments(p)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert gateway_cli.main(p.parse_args(["--backend", "127.0.0.1:9", "--port", str(port)])) == 2
+    assert f"shepherd gateway: cannot listen on 127.0.0.1 port {port}" in capsys.readouterr().err
+
+
 def test_backend_restart_stale_keepalive_connections_are_replaced(cluster_factory):
     c = cluster_factory(n=1, health=HealthConfig(health_interval=30, metrics_interval=0))
     for _ in range(3):

@@ -50,6 +50,9 @@ HOSTILE = [
     ("n above max-concurrency", "/v1/completions", b'{"prompt": "a", "n": 100}', "--max-concurrency"),
     ("2000-prompt batch", "/v1/completions", json.dumps({"prompt": ["a"] * 2000}).encode(), "--max-concurrency"),
     ("prompt_logprobs above 20", "/v1/completions", b'{"prompt": "a", "prompt_logprobs": 21}', "prompt_logprobs"),
+    ("image part", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}
+    ).encode(), "messages.0.content: part 1 of type 'image_url' is not supported"),
 ]
 
 

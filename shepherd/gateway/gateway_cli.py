@@ -18,7 +18,7 @@ import sys
 from typing import Optional
 
 from shepherd.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
-from shepherd.server.serve_cli import add_door_flags, add_flags
+from shepherd.server.serve_cli import add_door_flags, add_flags, check_listen
 
 EXIT_CONFIG = 2
 
@@ -112,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         gw, pname = build_gateway(args)
+        check_listen(args.host, args.port)      # a taken port: this one line, not uvicorn's exit 3
     except (ValueError, OSError) as e:
         print(f"shepherd gateway: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -202,6 +202,19 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        # an image or audio part would otherwise get pydantic's three-way union message, which
+        # never says that the part's type is what is refused
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"part {i} of type {kind!r} is not supported: this server reads "
+                                     "text parts only (type 'text')")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
