@@ -15,6 +15,12 @@ import uvicorn
 
 from shepherd.server.guard import BODY_CAP_HEADER
 
+# How long a test gives a `shepherd serve` process to answer /health: a wait, not a bound under
+# test. serve answers only once its grammar worker (nice 10) has imported xgrammar; on the Intel
+# Xeon (family 6 model 207, 2 cores KVM) a replica took ~20 s beside two busy loops, and a test
+# that starts one 66-74 s with another test run beside those.
+SERVE_START_S = 240.0
+
 MODES = ("ok", "fail500", "overload503", "full429", "bad400", "die_before_first", "die_after_first", "hang",
          "close_after_read", "health_fail", "health_slow")
 

@@ -20,6 +20,9 @@ import pytest
 
 from shepherd.cli import main as cli_main
 
+sys.path.insert(0, os.path.dirname(__file__))
+from gateway_fakes import SERVE_START_S  # noqa: E402
+
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
@@ -46,10 +49,7 @@ def shepherd_url(tmp_path_factory):
              "--max-batch-size", "8"],
             stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    # a wait, 240 s as test_server_e2e's for the same real-model start: serve answers only once its
-    # grammar worker (nice 10) has imported xgrammar (test_core_process's sim servers: 66-74 s a test
-    # beside two busy loops and another test run; Intel Xeon family 6 model 207, 2 cores)
-    deadline = time.time() + 240
+    deadline = time.time() + SERVE_START_S
     try:
         while time.time() < deadline:
             if proc.poll() is not None:

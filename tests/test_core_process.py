@@ -19,8 +19,10 @@ from shepherd.config import EngineConfig
 from shepherd.engine.core_client import CoreProcessEngine
 
 try:
+    from gateway_fakes import SERVE_START_S
     from test_server_api import ServerThread, free_port
 except ImportError:  # pragma: no cover - when tests/ is a package
+    from tests.gateway_fakes import SERVE_START_S
     from tests.test_server_api import ServerThread, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,10 +86,7 @@ class Serve:
                 return httpx.get(self.url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
-        # 240 s as test_stall's and test_server_e2e's waits for the same start: `shepherd serve` answers
-        # only once its grammar worker (nice 10) has imported xgrammar; the tests that start one took
-        # 66-74 s each beside two busy loops and another test run (Intel Xeon family 6 model 207, 2 cores)
-        wait_for(healthy, 240, "the server to be healthy")
+        wait_for(healthy, SERVE_START_S, "the server to be healthy")
         self.core_pid = core_child(self.proc.pid)
         assert self.core_pid != self.proc.pid and pid_alive(self.core_pid)
         return self

@@ -20,6 +20,9 @@ from shepherd.kv_events.hashing import chain_hashes
 from shepherd.kv_events.index import KVBlockIndex
 from shepherd.kv_events.subscriber import KVEventSubscriber, Source
 
+sys.path.insert(0, os.path.dirname(__file__))
+from gateway_fakes import SERVE_START_S  # noqa: E402
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,10 +70,7 @@ class Replica:
                 return httpx.get(self.url + "/health", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
-        # 240 s as test_stall's for the same start: serve answers only once its grammar worker (nice
-        # 10) has imported xgrammar; ~20 s a replica beside two busy loops, 66-74 s a test in
-        # test_core_process with another test run beside those (Intel Xeon family 6 model 207, 2 cores)
-        wait_until(up, 240, "the replica to start")
+        wait_until(up, SERVE_START_S, "the replica to start")
         return self
 
     def stop(self):

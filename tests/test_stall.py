@@ -30,7 +30,7 @@ import pytest
 from shepherd.bench import loadgen
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gateway_fakes import free_port  # noqa: E402
+from gateway_fakes import SERVE_START_S, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -87,7 +87,7 @@ def stack(tmp_path_factory):
                              "--health-interval", "0.2", "--fail-threshold", "2", "--policy", "round-robin"],
                             logs / "gateway.log"))
         for url, p in zip(urls, procs):
-            loadgen.wait_healthy(url, p, timeout=240, what=f"replica {url}")
+            loadgen.wait_healthy(url, p, timeout=SERVE_START_S, what=f"replica {url}")
         gurl = f"http://127.0.0.1:{gport}"
         loadgen.wait_healthy(gurl, procs[-1], timeout=60, what="gateway")
         yield {"replica": urls[0], "gateway": gurl, "logs": logs}

@@ -423,9 +423,13 @@ def parse_dist(spec: str | int | float):
 
 def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
     """Open-loop arrivals: gamma inter-arrival gaps with mean 1/rate and shape
-    `burstiness` (1 = Poisson, <1 burstier, >1 smoother); rate inf = all at 0."""
-    if not rate or math.isinf(rate) or rate <= 0:
+    `burstiness` (1 = Poisson, <1 burstier, >1 smoother); rate inf = all at 0. A rate of 0, below
+    0 or nan is refused: read as "all at once", a typo became a burst."""
+    if math.isinf(rate) and rate > 0:
         return [0.0] * n
+    if not rate > 0:
+        raise ValueError(f"--rate must be > 0 requests per second, got {rate:g} (inf, the default, sends "
+                         "every request at once)")
     t, out = 0.0, []
     shape = burstiness if burstiness and burstiness > 0 else 1.0
     scale = 1.0 / (rate * shape)
@@ -456,7 +460,7 @@ def reshape(trace: list[TraceRequest], *, rate: Optional[float] = None, burstine
     """Fit a real trace to this machine: keep its order and lengths (times
     `length_scale`, clipped), and, with `rate`, redraw its arrivals open-loop."""
     rng = random.Random(seed)
-    times = arrival_times(len(trace), rate, burstiness, rng) if rate else None
+    times = arrival_times(len(trace), rate, burstiness, rng) if rate is not None else None
     out = []
     for i, tr in enumerate(sorted(trace, key=lambda r: r.arrival)):
         p = max(1, int(round(tr.prompt_tokens * length_scale)))
