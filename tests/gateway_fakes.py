@@ -1,7 +1,9 @@
 """Small fake OpenAI backends and a thread-hosted uvicorn server, for the
 gateway tests and benchmarks/gateway_overhead.py. Not a model: each fake
 answers with a fixed, deterministic text, and its behaviour is switched by
-`FakeBackend.mode`."""
+`FakeBackend.mode`. The server thread (`ServerThread`, `EngineServer` for a
+real `build_app` over an Engine), `free_port` and the start waits are the one
+copy every test uses."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +22,12 @@ from shepherd.server.guard import BODY_CAP_HEADER
 # Xeon (family 6 model 207, 2 cores KVM) a replica took ~20 s beside two busy loops, and a test
 # that starts one 66-74 s with another test run beside those.
 SERVE_START_S = 240.0
+
+# How long a ServerThread may take to start: a wait, not a bound under test. With warm_grammar_worker
+# a build_app server answers only once its grammar worker (nice 10) has imported xgrammar, and gives
+# that up to GrammarCheck.wait_ready's 120 s. On the Intel Xeon (family 6 model 207, 2 cores KVM) that
+# start took 2.4-2.7 s quiet and 22.5 s beside two busy loops. A server thread that dies fails at once.
+START_DEADLINE = 180.0
 
 MODES = ("ok", "fail500", "overload503", "full429", "bad400", "die_before_first", "die_after_first", "hang",
          "close_after_read", "health_fail", "health_slow")
@@ -185,7 +193,7 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """uvicorn serving an ASGI app in a background thread."""
+    """uvicorn serving an ASGI app in a background thread: `.start()` / `.stop()`, or `with`."""
 
     def __init__(self, app, port: Optional[int] = None, lifespan: str = "on") -> None:
         self.app = app
@@ -204,10 +212,12 @@ class ServerThread:
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.time() + 10
+        deadline = time.monotonic() + START_DEADLINE
         while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
+            if not self.thread.is_alive():
+                raise RuntimeError("server thread died before it started")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start in {START_DEADLINE:.0f} s")
             time.sleep(0.01)
         return self
 
@@ -216,6 +226,23 @@ class ServerThread:
             self.server.should_exit = True
             self.server.force_exit = True
         if self.thread is not None:
-            self.thread.join(timeout=10)
+            self.thread.join(timeout=30)
         self.server = None
         self.thread = None
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EngineServer(ServerThread):
+    """The real OpenAI API (`build_app`) over an in-process Engine; `.engine` for the tests that
+    look inside it."""
+
+    def __init__(self, engine, server_cfg=None) -> None:
+        from shepherd.config import ServerConfig
+        from shepherd.server.openai_api import build_app
+        self.engine = engine
+        super().__init__(build_app(engine, server_cfg or ServerConfig()))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ import pytest
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
+sys.path.insert(0, os.path.dirname(__file__))
+from gateway_fakes import free_port  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
@@ -96,16 +99,10 @@ class FakeServer:
         return StreamingResponse(gen(), media_type="text/event-stream")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     fake = FakeServer()
-    port = _free_port()
+    port = free_port()
     cfg = uvicorn.Config(fake.app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
     srv = uvicorn.Server(cfg)
     th = threading.Thread(target=srv.run, daemon=True)
@@ -187,7 +184,7 @@ def test_timeout_and_dead_endpoint(server, tmp_path):
     assert rc == 1
     assert json.loads((tmp_path / "slow" / "summary.json").read_text())["failures"] == {"timeout": 3}
     # nothing listening: every request fails to connect, counted; no crash
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     rc = _bench(dead, tmp_path / "dead", "--num-requests", 3, "--input-len", 4, "--output-len", 4,
                 "--model", "x")
     assert rc == 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +20,9 @@ import pytest
 from shepherd.cli import main as cli_main
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gateway_fakes import SERVE_START_S  # noqa: E402
+from gateway_fakes import SERVE_START_S, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +34,7 @@ def shepherd_url(tmp_path_factory):
         pytest.skip(f"default model not installed: {e}")
     import httpx
 
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(

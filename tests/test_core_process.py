@@ -19,11 +19,9 @@ from shepherd.config import EngineConfig
 from shepherd.engine.core_client import CoreProcessEngine
 
 try:
-    from gateway_fakes import SERVE_START_S
-    from test_server_api import ServerThread, free_port
+    from gateway_fakes import SERVE_START_S, EngineServer, free_port
 except ImportError:  # pragma: no cover - when tests/ is a package
-    from tests.gateway_fakes import SERVE_START_S
-    from tests.test_server_api import ServerThread, free_port
+    from tests.gateway_fakes import SERVE_START_S, EngineServer, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = {"prompt": "tell me everything", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -135,7 +133,7 @@ def test_killed_core_gives_error_terminals_and_503():
     """In process: the server keeps answering, with an error for the stream and 503 on /health."""
     engine = CoreProcessEngine(EngineConfig(executor="sim", max_total_tokens=8192), log_level="warning")
     try:
-        with ServerThread(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        with EngineServer(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
             assert c.get("/health").status_code == 200
             with c.stream("POST", "/v1/completions", json=LONG) as r:
                 lines = r.iter_lines()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gateway_fakes import FakeBackend, ServerThread  # noqa: E402
+from gateway_fakes import FakeBackend, ServerThread, free_port  # noqa: E402
 from kv_fakes import FakePublisher, loopback, wait_until  # noqa: E402
 
 from envoy.config.core.v3 import base_pb2  # noqa: E402
@@ -219,12 +218,6 @@ def _envoy_binary():
     return path if os.path.exists(path) else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 ENVOY_CONFIG = """
 static_resources:
   listeners:
@@ -285,7 +278,7 @@ def test_a_real_envoy_routes_where_the_picker_says(tmp_path, mode):
     async def go():
         async with Epp() as e:
             epp_port = e.port
-            listen = _free_port()
+            listen = free_port()
             cfg = tmp_path / "envoy.yaml"
             cfg.write_text(ENVOY_CONFIG.format(listen=listen, epp=epp_port, mode=mode))
             proc = subprocess.Popen([binary, "-c", str(cfg), "--log-level", "warn", "--base-id",

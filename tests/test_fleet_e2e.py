@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,10 @@ from shepherd.kv_events.index import KVBlockIndex
 from shepherd.kv_events.subscriber import KVEventSubscriber, Source
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gateway_fakes import SERVE_START_S  # noqa: E402
+from gateway_fakes import SERVE_START_S, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(pred, timeout=30.0, what="condition"):

@@ -358,12 +358,12 @@ def test_bad_adapter_files_are_named(bad_adapters):
 @pytest.fixture(scope="module")
 def server(default_model_path, adapters):
     from shepherd.engine.engine import Engine
-    from test_server_api import ServerThread
+    from gateway_fakes import EngineServer
     _, paths, _, _ = adapters
     engine = Engine(EngineConfig(model=default_model_path, max_total_tokens=4096, watchdog_timeout=120,
                                  scheduler=SchedulerConfig(max_loras=2),
                                  lora=LoraConfig(modules={"a1": paths["a1"]})))
-    with ServerThread(engine, ServerConfig(served_model_name="base")) as srv:
+    with EngineServer(engine, ServerConfig(served_model_name="base")) as srv:
         yield srv
 
 

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
-import socket
+import sys
 import time
 from typing import Optional
 
 import httpx
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gateway_fakes import free_port  # noqa: E402
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -31,12 +35,6 @@ LONG = {"ignore_eos": True}           # the simulated model would stop at once o
 # the ingress next to Serve's proxy on the head node: the node test removes a worker node, and an
 # ingress there would die with it (Ray restarts it, but a request already in it is lost)
 INGRESS_ON_HEAD = {"shepherd_ingress": 0.1}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(pred, timeout: float, what: str, every: float = 0.1):

@@ -14,11 +14,13 @@ from shepherd.config import EngineConfig
 from shepherd.engine.engine import Engine
 
 try:
+    from gateway_fakes import EngineServer
     from test_engine import ScriptedExecutor
-    from test_server_api import ServerThread, wait_idle
+    from test_server_api import wait_idle
 except ImportError:  # pragma: no cover - when tests/ is a package
+    from tests.gateway_fakes import EngineServer
     from tests.test_engine import ScriptedExecutor
-    from tests.test_server_api import ServerThread, wait_idle
+    from tests.test_server_api import wait_idle
 
 CALL_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
              '\n</tool_call>')
@@ -37,7 +39,7 @@ def tok():
 def srv(tok):
     ex = ScriptedExecutor(tok, tok.encode(CALL_TEXT), delay=0.002)
     engine = Engine(EngineConfig(executor="sim", watchdog_timeout=60), executor=ex, tokenizer=tok)
-    with ServerThread(engine) as s:
+    with EngineServer(engine) as s:
         s.oc = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
         s.model = s.oc.models.list().data[0].id
         yield s

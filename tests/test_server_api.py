@@ -7,12 +7,10 @@ import asyncio
 import json
 import re
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from shepherd.config import EngineConfig, SchedulerConfig, ServerConfig
 from shepherd.engine.engine import Engine
@@ -20,47 +18,11 @@ from shepherd.model.loader import load_tokenizer
 from shepherd.server.openai_api import build_app
 
 try:
+    from gateway_fakes import EngineServer
     from test_engine import TEXT, ScriptedExecutor
 except ImportError:  # pragma: no cover - when tests/ is a package
+    from tests.gateway_fakes import EngineServer
     from tests.test_engine import TEXT, ScriptedExecutor
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# How long a ServerThread may take to start: a wait, not a bound under test. With warm_grammar_worker
-# the server answers only once its grammar worker (nice 10) has imported xgrammar, and gives that up
-# to GrammarCheck.wait_ready's 120 s. On the Intel Xeon (family 6 model 207, 2 cores KVM) that start
-# took 2.4-2.7 s quiet and 22.5 s beside two busy loops (the whole test 30.5 s with another test run
-# beside those), against the 30 s this deadline was.
-START_DEADLINE = 180.0
-
-
-class ServerThread:
-    def __init__(self, engine: Engine, server_cfg: ServerConfig | None = None):
-        self.engine = engine
-        self.port = free_port()
-        self.app = build_app(engine, server_cfg or ServerConfig())
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        t0 = time.monotonic()
-        while not self.server.started:
-            assert self.thread.is_alive(), "server thread died"
-            assert time.monotonic() - t0 < START_DEADLINE, "server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +34,7 @@ def tok():
 def scripted(tok):
     ex = ScriptedExecutor(tok, tok.encode(TEXT), kv_capacity=4096, max_model_len=2048, delay=0.002)
     engine = Engine(EngineConfig(executor="sim", watchdog_timeout=60), executor=ex, tokenizer=tok)
-    with ServerThread(engine) as srv:
+    with EngineServer(engine) as srv:
         srv.executor = ex
         yield srv
 
@@ -434,7 +396,7 @@ def test_non_stream_disconnect_aborts(scripted):
 def test_api_key_auth(tok):
     ex = ScriptedExecutor(tok, tok.encode(TEXT))
     engine = Engine(EngineConfig(executor="sim"), executor=ex, tokenizer=tok)
-    with ServerThread(engine, ServerConfig(api_key="sekret")) as srv, httpx.Client(base_url=srv.url) as c:
+    with EngineServer(engine, ServerConfig(api_key="sekret")) as srv, httpx.Client(base_url=srv.url) as c:
         body = {"prompt": "x", "max_tokens": 2}
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 401 and r.json()["error"]["message"]
@@ -479,7 +441,7 @@ def test_429_with_retry_after_and_nothing_lost(tok):
             return await asyncio.gather(*(c.post("/v1/completions", json={
                 "prompt": f"p{i}", "max_tokens": 8, "ignore_eos": True}) for i in range(n)))
 
-    with ServerThread(engine) as srv:
+    with EngineServer(engine) as srv:
         rs = asyncio.run(fire(srv.url, 12))
         codes = [r.status_code for r in rs]
         assert 429 in codes and 200 in codes, codes
@@ -499,7 +461,7 @@ def test_429_with_retry_after_and_nothing_lost(tok):
 def test_sim_executor_server_with_openai_client(tok):
     import openai
     engine = Engine(EngineConfig(executor="sim", max_total_tokens=4096))
-    with ServerThread(engine) as srv:
+    with EngineServer(engine) as srv:
         oc = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         mid = oc.models.list().data[0].id
         r = oc.chat.completions.create(model=mid, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
@@ -516,7 +478,7 @@ def test_sim_executor_server_with_openai_client(tok):
 def test_engine_crash_gives_503_and_error(tok):
     ex = ScriptedExecutor(tok, tok.encode(TEXT), fail_at=2)
     engine = Engine(EngineConfig(executor="sim"), executor=ex, tokenizer=tok)
-    with ServerThread(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with EngineServer(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 50})
         assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 503
@@ -527,7 +489,7 @@ def test_engine_crash_gives_503_and_error(tok):
 def test_http_side_responsive_while_engine_busy(tok):
     ex = ScriptedExecutor(tok, tok.encode(TEXT), delay=0.2)   # slow steps, like a big model
     engine = Engine(EngineConfig(executor="sim"), executor=ex, tokenizer=tok)
-    with ServerThread(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with EngineServer(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True,
                                                        "ignore_eos": True}) as r:
             next(r.iter_lines())
@@ -621,7 +583,7 @@ def test_mixed_load_with_disconnects_leaves_nothing_behind(tok):
         async with httpx.AsyncClient(base_url=url) as c:
             return await asyncio.gather(*(one(c, i) for i in range(48)))
 
-    with ServerThread(engine) as srv:
+    with EngineServer(engine) as srv:
         results = asyncio.run(fire(srv.url))
         assert results.count("done") >= 20
         st = wait_idle(engine, timeout=10)
@@ -637,7 +599,7 @@ def test_never_admissible_is_400_naming_the_limit(tok):
     ex = ScriptedExecutor(tok, tok.encode(TEXT), delay=0.005)
     cfg = EngineConfig(executor="sim", scheduler=SchedulerConfig(max_concurrency=2, max_queue=8))
     engine = Engine(cfg, executor=ex, tokenizer=tok)
-    with ServerThread(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with EngineServer(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 500, "ignore_eos": True, "n": 3})
         assert r.status_code == 400 and "--max-concurrency 2" in r.json()["error"]["message"]
         r = c.post("/v1/completions", json={"prompt": ["x"] * 9, "max_tokens": 2})
@@ -655,7 +617,7 @@ def test_serve_answers_only_once_its_grammar_worker_is_up(tok):
     CPU with it, and the first structured request does not wait for it."""
     ex = ScriptedExecutor(tok, tok.encode(TEXT), kv_capacity=4096, max_model_len=2048, delay=0.002)
     engine = Engine(EngineConfig(executor="sim", watchdog_timeout=60), executor=ex, tokenizer=tok)
-    with ServerThread(engine, ServerConfig(warm_grammar_worker=True)) as srv:
+    with EngineServer(engine, ServerConfig(warm_grammar_worker=True)) as srv:
         assert srv.app.state.grammars.ready, "the server answered before its grammar worker was up"
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

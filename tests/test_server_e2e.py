@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,15 @@ import pytest
 
 from shepherd.bench import loadgen
 
+sys.path.insert(0, os.path.dirname(__file__))
+from gateway_fakes import free_port  # noqa: E402
+
 openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 EXECUTOR = os.environ.get("SHEPHERD_E2E_EXECUTOR", "torch")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
