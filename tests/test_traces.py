@@ -197,3 +197,69 @@ def test_diurnal_rate_follows_the_day():
     noon = sum(1 for r in reqs if 9 * 3600 <= r.arrival < 15 * 3600)
     assert noon > 3 * night
     assert abs(len(reqs) / 86400.0 - 0.05) < 0.01
+
+
+def test_azure_2024_timestamps_with_a_utc_offset_and_mixed_precision(tmp_path):
+    # the 2024 week-long files write "2024-05-10 00:00:00.009930+00:00", and drop the fraction on a
+    # whole second; an offset other than +00:00 is converted, so arrivals stay in one time line
+    p = tmp_path / "week.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2024-05-10 00:00:00.009930+00:00,2000,20\n"
+                 "2024-05-10 00:00:01+00:00,300,0\n"
+                 "2024-05-10 02:00:02.5000000+02:00,40,7\n"
+                 "2024-05-10T00:00:03Z,50,8\n")
+    reqs = T.load_trace(p)
+    assert [r.arrival for r in reqs] == pytest.approx([0.0, 0.99007, 2.49007, 2.99007], abs=1e-5)
+    assert [r.output_tokens for r in reqs] == [20, 1, 7, 8]     # a prefill-only request keeps 1 output token
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:01+0x:00,300,5\n")
+    with pytest.raises(F.TraceFormatError, match=":2: TIMESTAMP"):
+        T.load_trace(p)
+
+
+BURST6 = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+BURST8 = "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+
+
+def test_burstgpt_both_layouts_model_as_client_failures_and_empty_prompts(tmp_path):
+    # hand-written rows in the real schema: the 6 columns of BurstGPT_1/_2 and the 8 of BurstGPT_3,
+    # whose Session ID and Elapsed time sit BEFORE Model (a reader by position would misread them)
+    p6 = tmp_path / "b1.csv"
+    p6.write_text(BURST6 + "5.0,ChatGPT,472,18,490,Conversation log\n"
+                  "7.0,GPT-4,0,0,0,API log\n"                       # nothing to prefill: skipped
+                  "9.5,GPT-4,417,0,417,API log\n"                   # a failure: kept, 1 output token
+                  "\n"
+                  "12.0,ChatGPT,1087,230,1317,Conversation log\n")
+    p8 = tmp_path / "b3.csv"
+    p8.write_text(BURST8 + "19440110.0,1722ac82,43,GPT-4,906,446,1352,Conversation log\n"
+                  "19440161.0,,2,ChatGPT,36,29,65,API log\n")
+    assert F.detect_format(p6) == F.detect_format(p8) == "burstgpt"
+    a = T.load_trace(p6)
+    assert [(r.arrival, r.client, r.prompt_tokens, r.output_tokens) for r in a] == [
+        (0.0, "ChatGPT", 472, 18), (4.5, "GPT-4", 417, 1), (7.0, "ChatGPT", 1087, 230)]
+    assert [r.index for r in a] == [0, 1, 2]
+    b = T.load_trace(p8)
+    assert [(r.arrival, r.client, r.prompt_tokens, r.output_tokens) for r in b] == [
+        (0.0, "GPT-4", 906, 446), (51.0, "ChatGPT", 36, 29)]
+    assert "burstgpt" in F.FORMATS
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ("6.0,ChatGPT,-3,5,2,API log", "Request tokens"),
+    ("6.0,,30,5,35,API log", "Model"),
+    ("x,ChatGPT,30,5,35,API log", "Timestamp"),
+])
+def test_burstgpt_rejects_malformed_rows_with_line_number(tmp_path, bad, msg):
+    p = tmp_path / "b.csv"
+    p.write_text(BURST6 + "5.0,ChatGPT,472,18,490,Conversation log\n" + bad + "\n")
+    with pytest.raises(F.TraceFormatError) as e:
+        T.load_trace(p)
+    assert f"{p}:3:" in str(e.value) and msg in str(e.value)
+
+
+def test_servegen_published_rate_file_is_named_for_what_it_is(tmp_path):
+    # ServeGen publishes per-client windows (chunk-N-trace.csv: time, rate, cv, pattern, 2 args; no
+    # header), not requests: the error says so instead of 'cannot tell the format'
+    p = tmp_path / "chunk-10-trace.csv"
+    p.write_text("0,0,0,,0,0\n1200,0.0233,1.13,Gamma,0.778,48.77\n")
+    with pytest.raises(F.TraceFormatError, match="ServeGen's per-client rate file"):
+        T.load_trace(p)

@@ -1,9 +1,11 @@
-"""Readers for real traces: Azure LLM inference 2023, Mooncake, ServeGen.
+"""Readers for real traces: Azure LLM inference 2023/2024, Mooncake, BurstGPT, and shepherd's
+multi-tenant CSV (the "servegen" format: requests generated from ServeGen's per-client distributions).
 
-    read_azure(path, *, limit=None)      Azure LLM inference trace 2023 CSV (TIMESTAMP, ContextTokens, GeneratedTokens)
+    read_azure(path, *, limit=None)      Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)
     read_mooncake(path, *, limit=None)   Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)
-    read_servegen(path, *, limit=None)   ServeGen CSV (timestamp_s, client_id, input_tokens, output_tokens)
-    iter_azure / iter_mooncake / iter_servegen   the lazy readers behind them
+    read_burstgpt(path, *, limit=None)   BurstGPT CSV (Timestamp s, Model, Request tokens, Response tokens, ...)
+    read_servegen(path, *, limit=None)   multi-tenant CSV (timestamp_s, client_id, input_tokens, output_tokens)
+    iter_azure / iter_mooncake / iter_burstgpt / iter_servegen   the lazy readers behind them
     iter_file(path, fmt=None, *, limit=None)     the reader for the file's format
     detect_format(path) -> str                   from the name and header
 
@@ -29,7 +31,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from shepherd.bench.records import TraceRequest
 
-FORMATS = ("azure", "mooncake", "servegen", "synthetic")
+FORMATS = ("azure", "mooncake", "burstgpt", "servegen", "synthetic")
 REORDER_WINDOW = 4096
 
 
@@ -130,7 +132,9 @@ _EPOCH_CACHE: dict[str, float] = {}
 
 
 def _parse_azure_ts(path, lineno, s: str) -> float:
-    # "2023-11-16 18:15:46.6805900" (7 fractional digits: too many for fromisoformat on 3.10)
+    # 2023: "2023-11-16 18:15:46.6805900" (7 fractional digits: too many for fromisoformat on 3.10);
+    # 2024 week-long files: "2024-05-10 00:00:00.009930+00:00", and no fraction on a whole second.
+    # A UTC offset is taken away so that rows written in different offsets share one time line.
     try:
         date, clock = s.split(" ") if " " in s else s.split("T")
         day = _EPOCH_CACHE.get(date)
@@ -138,10 +142,19 @@ def _parse_azure_ts(path, lineno, s: str) -> float:
             import datetime as _dt
             day = _dt.date.fromisoformat(date).toordinal() * 86400.0
             _EPOCH_CACHE[date] = day
-        hh, mm, ss = clock.rstrip("Z").split(":")
-        return day + int(hh) * 3600 + int(mm) * 60 + float(ss)
+        offset = 0.0
+        if clock.endswith("Z"):
+            clock = clock[:-1]
+        elif len(clock) > 6 and clock[-6] in "+-" and clock[-3] == ":":
+            oh, om = clock[-5:-3], clock[-2:]
+            if not (oh.isdigit() and om.isdigit()):
+                raise ValueError
+            offset = (int(oh) * 3600 + int(om) * 60) * (1 if clock[-6] == "+" else -1)
+            clock = clock[:-6]
+        hh, mm, ss = clock.split(":")
+        return day + int(hh) * 3600 + int(mm) * 60 + float(ss) - offset
     except (ValueError, AttributeError):
-        raise format_error(path, lineno, f"TIMESTAMP not 'YYYY-MM-DD HH:MM:SS[.frac]': {s!r}") from None
+        raise format_error(path, lineno, f"TIMESTAMP not 'YYYY-MM-DD HH:MM:SS[.frac][+HH:MM]': {s!r}") from None
 
 
 def _azure_rows(path) -> Iterator[TraceRequest]:
@@ -211,12 +224,43 @@ def _servegen_rows(path) -> Iterator[TraceRequest]:
 
 
 def iter_servegen(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """ServeGen-derived multi-tenant CSV: timestamp_s, client_id, input_tokens, output_tokens."""
+    """Multi-tenant CSV: timestamp_s, client_id, input_tokens, output_tokens. ServeGen publishes
+    per-client distributions, not requests: this is the file shepherd's sample was generated into."""
     return _ordered(_servegen_rows(path), path, limit)
 
 
 def read_servegen(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
     return list(iter_servegen(path, limit=limit))
+
+
+def _burstgpt_rows(path) -> Iterator[TraceRequest]:
+    # BurstGPT_1/_2: Timestamp, Model, Request tokens, Response tokens, Total tokens, Log Type;
+    # BurstGPT_3 puts Session ID and Elapsed time after Timestamp: columns are found by name.
+    # Session ID is not read: a turn's Request tokens are not known to include the turns before
+    # it, and shepherd's sessions (TraceRequest.session) would build each prompt on the last one.
+    for lineno, row in _csv_rows(path, ("Timestamp", "Model", "Request tokens", "Response tokens")):
+        t = _float_field(path, lineno, "Timestamp", row["Timestamp"])
+        if not row["Model"]:
+            raise format_error(path, lineno, "empty Model")
+        p = _int_field(path, lineno, "Request tokens", row["Request tokens"], 0)
+        o = _int_field(path, lineno, "Response tokens", row["Response tokens"], 0)
+        if p == 0:
+            # a few percent of the published rows log no request tokens (most with no response
+            # either): there is no prompt to send or prefill, so the row is not a request
+            continue
+        # Response tokens 0 is a failed request (the README): it arrived and is kept, as a
+        # request of one output token like Azure's GeneratedTokens 0; BurstGPT_without_fails_N.csv
+        # is the same trace without them
+        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1), client=row["Model"])
+
+
+def iter_burstgpt(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
+    """BurstGPT CSV (HPMLL/BurstGPT): Model becomes the request's client (tenant)."""
+    return _ordered(_burstgpt_rows(path), path, limit)
+
+
+def read_burstgpt(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
+    return list(iter_burstgpt(path, limit=limit))
 
 
 def detect_format(path) -> str:
@@ -229,8 +273,18 @@ def detect_format(path) -> str:
         header = f.readline()
     if "ContextTokens" in header:
         return "azure"
+    if "Request tokens" in header and "Response tokens" in header:
+        return "burstgpt"
     if "client_id" in header:
         return "servegen"
+    cells = header.strip().split(",")
+    if len(cells) == 6 and cells[0].replace(".", "", 1).isdigit():
+        # alibaba/ServeGen's data/<category>/<pool>/chunk-N-trace.csv: one client's rate, CV and
+        # arrival pattern per window, no header; ServeGen publishes no per-request trace
+        raise TraceFormatError(f"{path}:1: this looks like ServeGen's per-client rate file (window start, rate, cv, "
+                               f"pattern, 2 parameters), not a trace of requests; generate requests with "
+                               f"ServeGen and write them as timestamp_s,client_id,input_tokens,output_tokens "
+                               f"(the servegen format)")
     raise TraceFormatError(f"{path}:1: cannot tell the trace format from the header {header.strip()!r}; "
                            f"pass --format {'|'.join(FORMATS)}")
 
@@ -238,11 +292,12 @@ def detect_format(path) -> str:
 def iter_file(path, fmt: Optional[str] = None, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
     """A real trace file, read lazily by its format's reader."""
     fmt = fmt or detect_format(path)
-    readers = {"azure": iter_azure, "mooncake": iter_mooncake, "servegen": iter_servegen}
+    readers = {"azure": iter_azure, "mooncake": iter_mooncake, "burstgpt": iter_burstgpt, "servegen": iter_servegen}
     if fmt not in readers:
         raise ValueError(f"{path}: not a trace file format ({fmt!r}; one of {', '.join(readers)})")
     return readers[fmt](path, limit=limit)
 
 
-__all__ = ["FORMATS", "TraceFormatError", "format_error", "read_azure", "read_mooncake", "read_servegen",
-           "iter_azure", "iter_mooncake", "iter_servegen", "iter_file", "detect_format"]
+__all__ = ["FORMATS", "TraceFormatError", "format_error", "read_azure", "read_mooncake", "read_burstgpt",
+           "read_servegen", "iter_azure", "iter_mooncake", "iter_burstgpt", "iter_servegen", "iter_file",
+           "detect_format"]
