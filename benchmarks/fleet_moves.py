@@ -8,7 +8,8 @@ chosen replica's. A decision "forgoes" a match when the chosen replica held fewe
 the prompt's blocks than another: the pressure term of its cost outweighed the blocks,
 or the imbalance rule sent it to the least loaded replica (the two ways precise-prefix
 trades hits for load).
-Beside them, the distance to the cluster-LRU bound in tokens (fleet_sim.py's explain),
+Beside them, the distance to the cluster-LRU bound and to the causal one (answers in at
+their finish in the run, sim/cache_bounds.py) in tokens (fleet_sim.py's explain),
 and, on the sessions, the turns that left the replica of the session's previous turn
 after it had finished ("previous turn on another replica" in fleet_sim.py --explain)
 with what that replica still held of the prompt when the turn was routed: only the
@@ -44,7 +45,7 @@ def run(trace_name: str) -> dict:
     import fleet_sim
     from shepherd.config import SchedulerConfig
     from shepherd.sim.cache_bounds import HitRateBounds
-    from shepherd.sim.simulator import SimConfig, Simulator
+    from shepherd.sim.simulator import SimConfig, Simulator, request_id
     a = argparse.Namespace(requests=3000 if trace_name == "sessions" else None, replicas=8, trace=trace_name,
                            kv_capacity=65536 if trace_name == "sessions" else None, session_rate=0.5, turns=12,
                            think_time=30.0, input_len="lognormal:600:0.8", output_len="lognormal:300:0.8",
@@ -59,21 +60,33 @@ def run(trace_name: str) -> dict:
     seen = RecordingPrecisePrefix.seen
     bs = 16
     forgo = [(max(h.values()) - h.get(c, 0)) * bs for h, c in seen.values() if h and max(h.values()) > h.get(c, 0)]
-    # the bound, request by request, as fleet_sim.py --explain feeds it
-    bound = HitRateBounds(sim.kv_capacity_total)
+    # the bounds, request by request, as fleet_sim.py --explain feeds them (the causal one with
+    # this run's finishes)
+    causal_hits: dict = {}
+    bound = HitRateBounds(sim.kv_capacity_total, on_causal_hit=lambda tr, h: causal_hits.__setitem__(id(tr), h))
     rec = {r.req_id: r for r in res.records}
+    order = sorted(trace, key=lambda t: t.arrival)
+    hits = []
+    for i, tr in enumerate(order):
+        before = bound.hit_lru
+        rid = request_id(tr, i)
+        bound.observe(tr, rid)
+        hits.append(bound.hit_lru - before)
+        r = rec.get(rid)
+        if r is not None and r.ok and r.finish is not None:
+            bound.finished(rid, r.finish)
+    bound.settle(float("inf"))
     prev: dict = {}
     moved = moved_lost = moved_history_gone = 0
-    gap = 0
-    for i, tr in enumerate(sorted(trace, key=lambda t: t.arrival)):
-        before = bound.hit_lru
-        bound.observe(tr)
-        rid = f"r{tr.index if tr.index is not None else i}"
+    gap = gap_causal = 0
+    for i, tr in enumerate(order):
+        rid = request_id(tr, i)
         r = rec.get(rid)
         if r is None or not r.ok:
             continue
-        d = (bound.hit_lru - before) - r.cached_tokens
+        d = hits[i] - r.cached_tokens
         gap += d
+        gap_causal += causal_hits[id(tr)] - r.cached_tokens
         p = prev.get(tr.session) if tr.session else None
         if p is not None and p.finish is not None and p.finish <= tr.arrival and p.replica != r.replica and d > 0:
             moved += 1
@@ -85,19 +98,22 @@ def run(trace_name: str) -> dict:
         if tr.session:
             prev[tr.session] = r
     s = res.summary()
+    b = s["hit_rate_bounds"]
     return {"trace": trace_name, "decisions": len(seen), "forgo": len(forgo), "forgone": sum(forgo), "gap": gap,
-            "ratio": s["prefix_hit_rate"] / s["hit_rate_bounds"]["lru_cluster"], "moved": moved,
+            "gap_causal": gap_causal, "ratio": s["prefix_hit_rate"] / b["lru_cluster"],
+            "ratio_causal": s["prefix_hit_rate"] / b["lru_cluster_causal"], "moved": moved,
             "moved_lost": moved_lost, "moved_history_gone": moved_history_gone, "sessions": trace_name == "sessions"}
 
 
 def table(rows) -> str:
-    out = ["| trace | of the LRU bound | decisions | forgoing a longer match | tokens forgone | gap to the bound "
-           "(tokens, served requests) | moved turns (tokens lost) | of them, history already evicted on the "
-           "previous replica |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| trace | of the LRU bound | of the causal bound | decisions | forgoing a longer match | tokens forgone | "
+           "gap to the bound (tokens, served requests) | gap to the causal bound | moved turns (tokens lost) | "
+           "of them, history already evicted on the previous replica |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mv = (f"{r['moved']} ({r['moved_lost']:,})", f"{r['moved_history_gone']}") if r["sessions"] else ("-", "-")
-        out.append(f"| {r['trace']} | {r['ratio']:.3f} | {r['decisions']:,} | {r['forgo']} | {r['forgone']:,} | "
-                   f"{r['gap']:,} | {mv[0]} | {mv[1]} |")
+        out.append(f"| {r['trace']} | {r['ratio']:.3f} | {r['ratio_causal']:.3f} | {r['decisions']:,} | {r['forgo']} | "
+                   f"{r['forgone']:,} | {r['gap']:,} | {r['gap_causal']:,} | {mv[0]} | {mv[1]} |")
     return "\n".join(out) + "\n"
 
 

@@ -62,3 +62,94 @@ def test_simulator_reports_bounds_cache_and_routing():
     # the achieved rate never beats the infinite cache
     assert s["prefix_hit_rate"] <= s["hit_rate_bounds"]["infinite"] + 1e-9
     assert s["cache"]["cached_peak_tokens"] > 0 and s["cache"]["evicted_tokens"] == 0
+
+
+def two_turns(second_at: float, out0: int = 5):
+    g = dict(prefix_group="g", prefix_tokens=6, session="s")
+    return [TraceRequest(arrival=0.0, prompt_tokens=10, output_tokens=out0, index=0, **g),
+            TraceRequest(arrival=second_at, prompt_tokens=20, output_tokens=1, index=1, turn=1, **g)]
+
+
+@pytest.mark.parametrize("finish0, causal", [(2.0, 6 + 4),         # turn 1 arrives (1.0) while turn 0 runs
+                                             (0.5, 6 + 4 + 4)])    # turn 1 arrives after turn 0 finished
+def test_causal_bound_takes_the_answer_at_its_finish(finish0, causal):
+    # turn 0: system prompt 6 + 4 session tokens, answer 5 (4 cached); turn 1 (20 tokens) extends it.
+    # The old bound caches turn 0's answer at its arrival: 14 hit whatever the finish.
+    b = HitRateBounds(capacity_tokens=10_000)
+    t0, t1 = two_turns(1.0)
+    b.observe(t0, "r0", at=0.0)
+    b.finished("r0", finish0)          # reported before turn 1 is observed, but it is the time that counts
+    b.observe(t1, "r1", at=1.0)
+    r = b.result()
+    assert r["lru_cluster_hit_tokens"] == 14
+    assert r["lru_cluster_causal_hit_tokens"] == causal
+    assert r["lru_cluster_causal"] == pytest.approx(causal / 30)
+
+
+def test_causal_bound_answer_that_never_finishes_never_enters():
+    b = HitRateBounds(capacity_tokens=10_000)
+    t0, t1 = two_turns(1.0)
+    b.observe(t0, "r0")
+    b.forget("r0")
+    b.finished("r0", 0.5)              # too late: forgotten (refused, failed)
+    b.observe(t1, "r1")
+    assert b.result()["lru_cluster_causal_hit_tokens"] == 10
+
+
+def test_causal_bound_waits_for_settle():
+    # an arrival is looked up only once every finish before it is known
+    seen = []
+    b = HitRateBounds(capacity_tokens=10_000, on_causal_hit=lambda tr, h: seen.append((tr.index, h)))
+    t0, t1 = two_turns(1.0)
+    b.observe(t0, "r0", at=0.0)
+    b.observe(t1, "r1", at=1.0)
+    b.settle(0.5)
+    assert seen == [(0, 0)]
+    b.finished("r0", 0.8)              # a finish reported late, before the time it belongs to was settled
+    b.settle(1.0)
+    assert seen == [(0, 0), (1, 14)]
+
+
+@pytest.mark.parametrize("second_at, answer_counted", [(0.001, False), (60.0, True)])
+def test_simulator_causal_bound_on_a_two_turn_session(second_at, answer_counted):
+    trace = two_turns(second_at, out0=50)
+    res = simulate(trace, SimConfig(replicas=2, kv_capacity=4096, block_size=4, router="least-request",
+                                    scheduler=SchedulerConfig(max_total_tokens=4096)))
+    finish0 = next(r.finish for r in res.records if r.req_id == "r0")
+    assert (finish0 < second_at) == answer_counted
+    b = res.hit_rate_bounds
+    # turn 0's answer (49 cached tokens) covers turn 1's whole history: a hit of the prompt - 1 = 19
+    assert b["lru_cluster_hit_tokens"] == 19
+    assert b["lru_cluster_causal_hit_tokens"] == (19 if answer_counted else 6 + 4)
+    assert sum(res.timeseries["prefix_hit_lru_cluster_causal"]) == b["lru_cluster_causal_hit_tokens"]
+
+
+def replayed_causal(trace, records, capacity, block_size) -> int:
+    """The causal bound with every finish known from the start (the run's records)."""
+    from shepherd.sim.simulator import request_id
+    fin = {r.req_id: r.finish for r in records if r.ok and r.finish is not None}
+    b = HitRateBounds(capacity, block_size)
+    for i, tr in enumerate(sorted(trace, key=lambda t: t.arrival)):
+        rid = request_id(tr, i)
+        b.observe(tr, rid)
+        if rid in fin:
+            b.finished(rid, fin[rid])
+    return b.result()["lru_cluster_causal_hit_tokens"]
+
+
+@pytest.mark.parametrize("router", ["round-robin", "least-request", "precise-prefix"])
+def test_simulator_causal_bound_equals_a_replay_with_every_finish_known(router):
+    # replicas run lazily (round-robin advances only the chosen one; least-request settles early), so
+    # finishes reach the bound late and out of order: the bound must still see them in time order
+    from shepherd.bench.synthetic import ClientSpec, SyntheticSpec, synthetic
+    trace = synthetic(SyntheticSpec(clients=[ClientSpec(name="chat", rate=2.0, input_len="lognormal:60:0.5",
+                                                        output_len="lognormal:40:0.5", system_prompt_tokens=50,
+                                                        num_system_prompts=2, turns=4, think_time=1.0)],
+                                    num_requests=120, seed=3))
+    cap = 1024
+    res = simulate(trace, SimConfig(replicas=3, kv_capacity=cap, block_size=16, router=router,
+                                    scheduler=SchedulerConfig(max_total_tokens=cap)))
+    b = res.hit_rate_bounds
+    running = sum(1 for tr in trace if tr.turn > 0)
+    assert running and b["lru_cluster_causal_hit_tokens"] < b["lru_cluster_hit_tokens"]
+    assert b["lru_cluster_causal_hit_tokens"] == replayed_causal(trace, res.records, 3 * cap, 16)

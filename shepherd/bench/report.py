@@ -192,7 +192,8 @@ def _cache_rows(s: dict) -> list[tuple[str, str]]:
         ref = ""
         if b:
             ref = (f"   (bounds from the trace: infinite cache {_pct(b.get('infinite'))}, "
-                   f"LRU with the cluster's KV {_pct(b.get('lru_cluster'))})")
+                   f"LRU with the cluster's KV {_pct(b.get('lru_cluster'))}, "
+                   f"causal: answers in at their finish {_pct(b.get('lru_cluster_causal'))})")
         rows.append(("prefix hit rate", f"{_pct(s['prefix_hit_rate'])}{ref}"))
     cache = s.get("cache")
     if cache:

@@ -19,6 +19,7 @@ every handoff due before t in the heap; `due(t)` hands them out in time order.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Iterator
 
 from shepherd.bench.records import TraceRequest
@@ -105,6 +106,10 @@ class Disaggregation:
         while heap and heap[0][0] <= t:
             when, _, drep, track = heapq.heappop(heap)
             yield when, drep, track
+
+    def next_landing(self) -> float:
+        """When the first KV transfer in flight lands (inf: none)."""
+        return self._heap[0][0] if self._heap else math.inf
 
     def summary(self) -> dict:
         n = self.disaggregated

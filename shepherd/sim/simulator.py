@@ -248,6 +248,7 @@ class Simulator:
         self._pools: list[RoutePool] = []
         self._rr = -1                # the built-in round robin's last choice (routing/ missing)
         self._routes: dict = {}
+        self._bounds: Optional[HitRateBounds] = None    # the run's, while it runs
 
     def _spec(self, gi: int, g: ReplicaGroup, cost: CostModel) -> ReplicaSpec:
         """What group gi's replicas are built from: its KV capacity from its cost model (or
@@ -297,6 +298,11 @@ class Simulator:
             if nxt is not None:
                 return                   # decodes on `rep` once its KV has crossed (Disaggregation.due)
         self.finished += 1
+        if self._bounds is not None:          # the answer is whole in that engine's cache now (causal bound)
+            if tr.rec.ok:
+                self._bounds.finished(rid, tr.rec.finish)
+            else:
+                self._bounds.forget(rid)
         if self._router is not None:
             self._router.finished(rep, rid, tr.rec.finish, tr.ntok)
         self._emit(tr.close(lists=self._lists))
@@ -317,7 +323,7 @@ class Simulator:
             params = SamplingParams(max_tokens=target, temperature=0.0, ignore_eos=True)
         else:
             params = SamplingParams(max_tokens=max(self.cfg.max_tokens, target), temperature=0.0)
-        rid = f"r{tr.index if tr.index is not None else i}"
+        rid = request_id(tr, i)
         req = Request(req_id=rid, prompt_ids=prompt_token_ids(tr, self.vocab, self.cfg.block_size), params=params,
                       arrival=tr.arrival, client=tr.client, priority=tr.priority, eos_token_ids=(2,),
                       adapter=tr.adapter)
@@ -370,7 +376,11 @@ class Simulator:
         self._hits = TimeBins()          # prefix tokens asked, hit, and the bounds' hits, by arrival time
         self._on_record = on_record
         self._lists = cfg.keep_records or on_record is not None    # else token times go to the stats alone
-        bounds = HitRateBounds(self.kv_capacity_total, cfg.block_size) if cfg.cache_bounds else None
+        bounds = (HitRateBounds(self.kv_capacity_total, cfg.block_size,
+                                on_causal_hit=lambda t, h: self._hits.add1("prefix_hit_lru_cluster_causal",
+                                                                           t.arrival, h))
+                  if cfg.cache_bounds else None)
+        self._bounds = bounds
         records: list[RequestRecord] = []
         prog = _Progress(total, cfg.progress)
         last = -math.inf
@@ -382,13 +392,15 @@ class Simulator:
             last = tr.arrival
             if bounds is not None:
                 inf0, lru0 = bounds.hit_inf, bounds.hit_lru
-                bounds.observe(tr)
+                bounds.observe(tr, request_id(tr, n - 1), at=tr.arrival + self.cost.frontend)
                 # the bounds' hits by arrival time, beside the achieved ones (_emit): plots.py's prefix_time.png
                 bins = self._hits
                 bins.add1("prefix_query", tr.arrival, tr.prompt_tokens)
                 bins.add1("prefix_hit_infinite", tr.arrival, bounds.hit_inf - inf0)
                 bins.add1("prefix_hit_lru_cluster", tr.arrival, bounds.hit_lru - lru0)
             rec = self._arrive(tr, n - 1)
+            if bounds is not None:
+                bounds.settle(self._reported_until(tr.arrival + self.cost.frontend))
             if cfg.keep_records:
                 records.append(rec)
             prog.update(n, tr.arrival)
@@ -397,6 +409,8 @@ class Simulator:
             rep.advance_to(math.inf)
         if self._kv_feed is not None:
             self._kv_feed.sync()            # the router's index ends where the caches end
+        if bounds is not None:
+            bounds.settle(math.inf)         # every finish is in: the causal bound's last arrivals
         prog.close(n, max((r.clock for r in self.replicas), default=0.0))
         for rep in self.replicas:
             for track in list(rep.tracks.values()):    # never finished (e.g. stuck without memory)
@@ -437,10 +451,24 @@ class Simulator:
             r = self.rejections.setdefault(e.kind, {"count": 0, "reason": str(e)})
             r["count"] += 1
             rid = rec.req_id
+            if self._bounds is not None:
+                self._bounds.forget(rid)
             pool.finished(rep, rid, now, 0)
             if pool is not self._router:       # a prefill refused: the decode replica chosen for it too
                 self._router.finished(self._disagg.dropped(rid), rid, now, 0)
             self._emit(track.close(lists=self._lists))
+
+    def _reported_until(self, now: float) -> float:
+        """Every request that finishes at or before this time has been reported (on_finish):
+        a replica with requests has run every step up to its clock, its next finish is later;
+        a request crossing from a prefill replica finishes after it lands."""
+        t = now
+        for rep in self.replicas:
+            if rep.tracks and rep.clock < t:
+                t = rep.clock
+        if self._disagg is not None:
+            t = min(t, self._disagg.next_landing())
+        return t
 
     def _land(self, t: float) -> None:
         """Every KV transfer from a prefill replica that lands by t joins its decode replica
@@ -531,9 +559,15 @@ class Simulator:
             return {}
         last = int(np.nonzero(q)[0][-1]) + 1
         out = {"prefix_edges": h.edges()[:last + 1].tolist()}
-        for k in ("prefix_query", "prefix_hit", "prefix_hit_infinite", "prefix_hit_lru_cluster"):
+        for k in ("prefix_query", "prefix_hit", "prefix_hit_infinite", "prefix_hit_lru_cluster",
+                  "prefix_hit_lru_cluster_causal"):
             out[k] = h.get(k)[:last].tolist()
         return out
+
+
+def request_id(tr: TraceRequest, i: int) -> str:
+    """The simulator's id for the i-th request of a trace (its records' req_id)."""
+    return f"r{tr.index if tr.index is not None else i}"
 
 
 def model_context(name: str) -> Optional[int]:
@@ -549,4 +583,4 @@ def simulate(trace: Iterable[TraceRequest], cfg: Optional[SimConfig] = None,
     return Simulator(cfg or SimConfig(), cost_model).run(trace)
 
 
-__all__ = ["SimConfig", "SimResult", "Simulator", "simulate"]
+__all__ = ["SimConfig", "SimResult", "Simulator", "request_id", "simulate"]
