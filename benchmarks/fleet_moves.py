@@ -1,6 +1,7 @@
 """Does precise-prefix's load penalty ever cost a cache hit? (simulator, deterministic)
 
     python benchmarks/fleet_moves.py [--docs]
+    python benchmarks/fleet_moves.py --trace FILE    # any trace file fleet_sim.py takes (no --docs)
 
 Runs fleet_sim.py's two workloads (the chat sessions and the Mooncake trace) with
 precise-prefix, recording every decision: the longest match any replica held and the
@@ -99,7 +100,7 @@ def run(trace_name: str) -> dict:
             prev[tr.session] = r
     s = res.summary()
     b = s["hit_rate_bounds"]
-    return {"trace": trace_name, "decisions": len(seen), "forgo": len(forgo), "forgone": sum(forgo), "gap": gap,
+    return {"trace": os.path.basename(trace_name), "decisions": len(seen), "forgo": len(forgo), "forgone": sum(forgo), "gap": gap,
             "gap_causal": gap_causal, "ratio": s["prefix_hit_rate"] / b["lru_cluster"],
             "ratio_causal": s["prefix_hit_rate"] / b["lru_cluster_causal"], "moved": moved,
             "moved_lost": moved_lost, "moved_history_gone": moved_history_gone, "sessions": trace_name == "sessions"}
@@ -120,8 +121,12 @@ def table(rows) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", action="store_true", help="write the table into docs/ROUTING.md")
+    ap.add_argument("--trace", action="append", default=None,
+                    help="a trace FILE instead of the two workloads (repeatable; the table is printed only)")
     a = ap.parse_args()
-    rows = [run(t) for t in ("sessions", "mooncake")]
+    if a.trace and a.docs:
+        ap.error("--docs writes the two workloads' table: leave out --trace")
+    rows = [run(t) for t in (a.trace or ("sessions", "mooncake"))]
     md = table(rows)
     print(md)
     if a.docs:

@@ -3,6 +3,7 @@
     python benchmarks/fleet_sim.py [--requests 3000] [--jobs 2] [--explain] [--docs]
     python benchmarks/fleet_sim.py --trace mooncake --routers cache-aware,prefix-aware,precise-prefix [--docs]
     python benchmarks/fleet_sim.py --routers precise-prefix --knobs '{"pressure_weight": 0}'
+    python benchmarks/fleet_sim.py --trace FILE --routers cache-aware,prefix-aware,precise-prefix [--docs]
 
 The workload is synthetic (bench/synthetic.py; no multi-turn trace with token
 sharing ships in ../shared/data): chat sessions arriving at --session-rate per
@@ -38,6 +39,12 @@ too (fed this run's finishes). Table in <!-- fleet-sim-explain -->.
 --trace mooncake replays shepherd/data/mooncake/synthetic_trace.jsonl (no sessions:
 Mooncake's shared 512-token blocks; KV from the GPU unless --kv-capacity), the
 second workload the precise router is checked on (<!-- fleet-sim-mooncake -->).
+
+--trace FILE replays any trace file shepherd reads (bench/trace_formats.py, format from the
+file), whole unless --requests; Mooncake's real multi-turn traces (FAST25-release/traces/
+conversation_trace.jsonl, toolagent_trace.jsonl) carry the hash_ids that make prefixes
+shareable. With --docs its table goes into <!-- fleet-sim-trace-STEM --> (STEM: the file's
+name without its extension), which ROUTING.md must hold.
 """
 from __future__ import annotations
 
@@ -53,6 +60,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 TOK = {"tokenizer_type": "tokens"}
+BUILTIN = ("sessions", "mooncake")
 ROUTERS = [("least-request", {}, "defaults"),
            ("prefix-aware", TOK, "tokens, 16-token blocks"),
            ("cache-aware", TOK, "tokens"),
@@ -71,6 +79,9 @@ def workload(a):
 
 
 def load(a):
+    if a.trace not in BUILTIN:
+        from shepherd.bench.traces import load_trace
+        return load_trace(a.trace, limit=a.requests)
     if a.trace == "mooncake":
         from shepherd.bench.traces import load_trace
         from shepherd.paths import data_path
@@ -195,7 +206,10 @@ def _span(v) -> str:
 
 def table(rows, a) -> str:
     r0 = rows[0]
-    if a.trace == "mooncake":
+    if a.trace not in BUILTIN:
+        what = (f"{os.path.basename(a.trace)} ({r0['requests']} requests, mean prompt {r0['mean_prompt']:,.0f} tokens, "
+                f"{r0['rejected']} longer than llama-3.1-8b's context refused)")
+    elif a.trace == "mooncake":
         what = (f"Mooncake synthetic trace ({r0['requests']} requests, mean prompt {r0['mean_prompt']:,.0f} tokens, "
                 f"{r0['rejected']} longer than llama-3.1-8b's context refused)")
     else:
@@ -220,9 +234,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--replicas", type=int, default=8)
-    ap.add_argument("--trace", default="sessions", choices=["sessions", "mooncake"])
+    ap.add_argument("--trace", default="sessions",
+                    help="sessions (synthetic), mooncake (the bundled synthetic trace) or a trace FILE of any format")
     ap.add_argument("--kv-capacity", type=int, default=None,
-                    help="KV tokens per replica (default: 65,536 for sessions, the GPU's for mooncake)")
+                    help="KV tokens per replica (default: 65,536 for sessions, the GPU's for a trace)")
     ap.add_argument("--session-rate", type=float, default=0.5, help="new sessions per second")
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--think-time", type=float, default=30.0)
@@ -239,9 +254,11 @@ def main() -> None:
     ap.add_argument("--explain", action="store_true", help="split each router's distance to the LRU bound")
     ap.add_argument("--docs", action="store_true", help="write the table into docs/ROUTING.md")
     a = ap.parse_args()
+    if a.trace not in BUILTIN and not os.path.isfile(a.trace):
+        ap.error(f"--trace: {a.trace} is neither {' nor '.join(BUILTIN)} nor a file")
     if a.kv_capacity is None and a.trace == "sessions":
         a.kv_capacity = 65536
-    if a.trace == "mooncake" and a.requests == ap.get_default("requests"):
+    if a.trace != "sessions" and a.requests == ap.get_default("requests"):
         a.requests = None                     # the whole trace
     routers = [r for r in ROUTERS if a.routers is None or r[0] in a.routers.split(",")]
     if a.knobs:
@@ -267,7 +284,9 @@ def main() -> None:
     print(xmd)
     if a.docs:
         from routing_sim import write_docs
-        if a.trace == "mooncake":
+        if a.trace not in BUILTIN:
+            write_docs(md, mark=f"fleet-sim-trace-{os.path.splitext(os.path.basename(a.trace))[0]}")
+        elif a.trace == "mooncake":
             write_docs(md, mark="fleet-sim-mooncake")
         elif a.routers is None and not a.knobs:   # the sessions table has every router's row, as defaults
             write_docs(md, mark="fleet-sim")

@@ -138,3 +138,22 @@ def test_a_sessions_next_turn_finds_the_previous_answer_cached():
     first, second = sorted(res.records, key=lambda r: r.arrival)
     assert first.cached_tokens == 0 and second.cached_tokens == 100 + 30 - 1
     assert res.hit_rate_bounds["infinite_hit_tokens"] == 129
+
+
+def test_fleet_sim_replays_a_trace_file(tmp_path):
+    # benchmarks/fleet_sim.py runs the routers on any trace file shepherd reads (here Mooncake's
+    # schema with hash_ids), not only its two built-in workloads
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "fleet_sim.py"), "--trace",
+                          str(root / "tests" / "data" / "mooncake_5.jsonl"), "--routers", "precise-prefix",
+                          "--replicas", "2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert "mooncake_5.jsonl (5 requests" in out.stdout
+    assert "| precise-prefix | defaults |" in out.stdout
+    bad = subprocess.run([sys.executable, str(root / "benchmarks" / "fleet_sim.py"), "--trace",
+                          str(tmp_path / "absent.jsonl")], capture_output=True, text=True, timeout=60, cwd=root)
+    assert bad.returncode == 2 and "neither sessions nor mooncake nor a file" in bad.stderr
