@@ -263,3 +263,25 @@ def test_servegen_published_rate_file_is_named_for_what_it_is(tmp_path):
     p.write_text("0,0,0,,0,0\n1200,0.0233,1.13,Gamma,0.778,48.77\n")
     with pytest.raises(F.TraceFormatError, match="ServeGen's per-client rate file"):
         T.load_trace(p)
+
+
+@pytest.mark.parametrize("name,text", [
+    ("b.csv.gz", BURST6 + "5.0,ChatGPT,472,18,490,Conversation log\n9.5,GPT-4,417,3,420,API log\n"),
+    ("m.jsonl.gz", '{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n'
+                   '{"timestamp": 4500, "input_length": 700, "output_length": 5, "hash_ids": [1, 3]}\n'),
+    ("a.csv.gz", "TIMESTAMP,ContextTokens,GeneratedTokens\r\n2024-05-10 00:00:00.5+00:00,374,44\r\n"
+                 "2024-05-10 00:00:05+00:00,100,4\r\n"),
+])
+def test_readers_stream_a_gzipped_trace(tmp_path, name, text):
+    # week- and month-long traces are kept compressed: FILE.csv.gz / FILE.jsonl.gz read as the file
+    import gzip
+    p = tmp_path / name
+    with gzip.open(p, "wt") as f:
+        f.write(text)
+    plain = tmp_path / name.removesuffix(".gz")
+    plain.write_text(text)
+    assert F.detect_format(p) == F.detect_format(plain)
+    got, want = T.load_trace(p), T.load_trace(plain)
+    assert [(r.arrival, r.prompt_tokens, r.output_tokens, r.client) for r in got] == \
+           [(r.arrival, r.prompt_tokens, r.output_tokens, r.client) for r in want]
+    assert len(got) == 2 and got[1].arrival > 0

@@ -17,11 +17,15 @@ given out raises TraceFormatError).
 Times: every reader returns arrivals in seconds from the first request of the
 file (the first request arrives at 0), sorted by arrival (stable).
 
+Files: a byte-order mark and CRLF line ends are read; FILE.csv.gz / FILE.jsonl.gz stream
+through gzip (open_text).
+
 Malformed rows raise TraceFormatError naming the file and line number.
 """
 from __future__ import annotations
 
 import csv
+import gzip
 import heapq
 import itertools
 import json
@@ -42,6 +46,14 @@ class TraceFormatError(ValueError):
 # UTF-8 whatever the locale, and a byte-order mark (a spreadsheet's or Windows editor's "UTF-8")
 # dropped, so the first column's name is found in the header
 ENCODING = "utf-8-sig"
+
+
+def open_text(path):
+    """The file as text: a trace compressed with gzip (FILE.csv.gz, FILE.jsonl.gz: how week- and
+    month-long traces are kept) is read through gzip as it streams, never unpacked whole."""
+    if str(path).lower().endswith(".gz"):
+        return gzip.open(path, "rt", newline="", encoding=ENCODING)
+    return open(path, newline="", encoding=ENCODING)
 
 
 def format_error(path, lineno: int, msg: str) -> TraceFormatError:
@@ -108,7 +120,7 @@ def _ordered(rows: Iterable[TraceRequest], path, limit: Optional[int] = None) ->
 def _csv_rows(path, required: Sequence[str]):
     """Yield (lineno, row dict) with a clear error on a bad header or ragged row."""
     path = Path(path)
-    with path.open(newline="", encoding=ENCODING) as f:
+    with open_text(path) as f:
         reader = csv.reader(f)
         try:
             header = next(reader)
@@ -176,7 +188,7 @@ def read_azure(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
 
 def _mooncake_rows(path, block_size: int) -> Iterator[TraceRequest]:
     path = Path(path)
-    with path.open(encoding=ENCODING) as f:
+    with open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -264,12 +276,12 @@ def read_burstgpt(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
 
 
 def detect_format(path) -> str:
-    p = str(path).lower()
+    p = str(path).lower().removesuffix(".gz")
     if p.endswith(".jsonl"):
         return "mooncake"
     if p.endswith(".json"):
         return "synthetic"
-    with open(path, newline="", encoding=ENCODING) as f:
+    with open_text(path) as f:
         header = f.readline()
     if "ContextTokens" in header:
         return "azure"
