@@ -285,3 +285,19 @@ def test_readers_stream_a_gzipped_trace(tmp_path, name, text):
     assert [(r.arrival, r.prompt_tokens, r.output_tokens, r.client) for r in got] == \
            [(r.arrival, r.prompt_tokens, r.output_tokens, r.client) for r in want]
     assert len(got) == 2 and got[1].arrival > 0
+
+
+def test_vidur_trace_with_and_without_arrivals(tmp_path):
+    # microsoft/vidur's processed traces: arrived_at (s) + lengths for replay, or lengths alone
+    p = tmp_path / "splitwise_conv.csv"
+    p.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,374,44\n4.3,396,0\n")
+    assert F.detect_format(p) == "vidur"
+    assert [(r.arrival, r.prompt_tokens, r.output_tokens) for r in T.load_trace(p)] == [(0.0, 374, 44), (4.3, 396, 1)]
+    q = tmp_path / "lengths.csv"
+    q.write_text("num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n3772,54,3826,69.8\n120,7,127,17.1\n")
+    assert [(r.arrival, r.prompt_tokens) for r in T.load_trace(q)] == [(0.0, 3772), (0.0, 120)]
+    # as a length source for synthetic arrivals
+    spec = S.SyntheticSpec(clients=[S.ClientSpec("a", rate=2.0, input_len=f"trace:{q}", output_len=f"trace:{q}")],
+                           num_requests=20, seed=1)
+    reqs = S.synthetic(spec)
+    assert {r.prompt_tokens for r in reqs} <= {3772, 120} and reqs[-1].arrival > 0

@@ -5,7 +5,8 @@ multi-tenant CSV (the "servegen" format: requests generated from ServeGen's per-
     read_mooncake(path, *, limit=None)   Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)
     read_burstgpt(path, *, limit=None)   BurstGPT CSV (Timestamp s, Model, Request tokens, Response tokens, ...)
     read_servegen(path, *, limit=None)   multi-tenant CSV (timestamp_s, client_id, input_tokens, output_tokens)
-    iter_azure / iter_mooncake / iter_burstgpt / iter_servegen   the lazy readers behind them
+    read_vidur(path, *, limit=None)      vidur's trace CSV ([arrived_at s,] num_prefill_tokens, num_decode_tokens)
+    iter_azure / iter_mooncake / iter_burstgpt / iter_servegen / iter_vidur   the lazy readers behind them
     iter_file(path, fmt=None, *, limit=None)     the reader for the file's format
     detect_format(path) -> str                   from the name and header
 
@@ -35,7 +36,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from shepherd.bench.records import TraceRequest
 
-FORMATS = ("azure", "mooncake", "burstgpt", "servegen", "synthetic")
+FORMATS = ("azure", "mooncake", "burstgpt", "servegen", "vidur", "synthetic")
 REORDER_WINDOW = 4096
 
 
@@ -117,8 +118,9 @@ def _ordered(rows: Iterable[TraceRequest], path, limit: Optional[int] = None) ->
         yield r
 
 
-def _csv_rows(path, required: Sequence[str]):
-    """Yield (lineno, row dict) with a clear error on a bad header or ragged row."""
+def _csv_rows(path, required: Sequence[str], optional: Sequence[str] = ()):
+    """Yield (lineno, row dict) with a clear error on a bad header or ragged row; `optional`
+    columns are in the dict when the header has them."""
     path = Path(path)
     with open_text(path) as f:
         reader = csv.reader(f)
@@ -130,7 +132,7 @@ def _csv_rows(path, required: Sequence[str]):
         missing = [c for c in required if c not in header]
         if missing:
             raise format_error(path, 1, f"header lacks column(s) {missing}; got {header}")
-        idx = {c: header.index(c) for c in required}
+        idx = {c: header.index(c) for c in (*required, *optional) if c in header}
         for row in reader:
             lineno = reader.line_num
             if not row or all(not c.strip() for c in row):
@@ -275,6 +277,26 @@ def read_burstgpt(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
     return list(iter_burstgpt(path, limit=limit))
 
 
+def _vidur_rows(path) -> Iterator[TraceRequest]:
+    # microsoft/vidur's processed traces: arrived_at (s) with the lengths (trace replay), or the
+    # lengths alone (its length generator: no arrivals, so every request arrives at 0, a batch;
+    # as --input-len/--output-len trace:FILE they give lengths to synthetic arrivals instead)
+    for lineno, row in _csv_rows(path, ("num_prefill_tokens", "num_decode_tokens"), ("arrived_at",)):
+        t = _float_field(path, lineno, "arrived_at", row["arrived_at"]) if "arrived_at" in row else 0.0
+        p = _int_field(path, lineno, "num_prefill_tokens", row["num_prefill_tokens"], 1)
+        o = _int_field(path, lineno, "num_decode_tokens", row["num_decode_tokens"], 0)
+        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1))
+
+
+def iter_vidur(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
+    """vidur's trace CSV: [arrived_at,] num_prefill_tokens, num_decode_tokens."""
+    return _ordered(_vidur_rows(path), path, limit)
+
+
+def read_vidur(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
+    return list(iter_vidur(path, limit=limit))
+
+
 def detect_format(path) -> str:
     p = str(path).lower().removesuffix(".gz")
     if p.endswith(".jsonl"):
@@ -289,6 +311,8 @@ def detect_format(path) -> str:
         return "burstgpt"
     if "client_id" in header:
         return "servegen"
+    if "num_prefill_tokens" in header:
+        return "vidur"
     cells = header.strip().split(",")
     if len(cells) == 6 and cells[0].replace(".", "", 1).isdigit():
         # alibaba/ServeGen's data/<category>/<pool>/chunk-N-trace.csv: one client's rate, CV and
@@ -304,12 +328,13 @@ def detect_format(path) -> str:
 def iter_file(path, fmt: Optional[str] = None, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
     """A real trace file, read lazily by its format's reader."""
     fmt = fmt or detect_format(path)
-    readers = {"azure": iter_azure, "mooncake": iter_mooncake, "burstgpt": iter_burstgpt, "servegen": iter_servegen}
+    readers = {"azure": iter_azure, "mooncake": iter_mooncake, "burstgpt": iter_burstgpt, "servegen": iter_servegen,
+               "vidur": iter_vidur}
     if fmt not in readers:
         raise ValueError(f"{path}: not a trace file format ({fmt!r}; one of {', '.join(readers)})")
     return readers[fmt](path, limit=limit)
 
 
 __all__ = ["FORMATS", "TraceFormatError", "format_error", "read_azure", "read_mooncake", "read_burstgpt",
-           "read_servegen", "iter_azure", "iter_mooncake", "iter_burstgpt", "iter_servegen", "iter_file",
-           "detect_format"]
+           "read_servegen", "read_vidur", "iter_azure", "iter_mooncake", "iter_burstgpt", "iter_servegen", "iter_vidur",
+           "iter_file", "detect_format"]
