@@ -301,3 +301,16 @@ def test_vidur_trace_with_and_without_arrivals(tmp_path):
                            num_requests=20, seed=1)
     reqs = S.synthetic(spec)
     assert {r.prompt_tokens for r in reqs} <= {3772, 120} and reqs[-1].arrival > 0
+
+
+def test_azure_2025_multimodal_trace_reads_as_azure(tmp_path):
+    # AzureLMMInferenceTrace_multimodal.csv.gz (2025): ISO 'T...Z' times and a NumImages column
+    # (not read: requests are text of ContextTokens tokens), kept gzipped as published
+    import gzip
+    p = tmp_path / "AzureLMMInferenceTrace_multimodal.csv.gz"
+    with gzip.open(p, "wt") as f:
+        f.write("TIMESTAMP,NumImages,ContextTokens,GeneratedTokens\n"
+                "2024-10-15T12:00:00.269Z,0,770,491\n2024-10-15T12:00:05.819Z,1,949,126\n")
+    assert F.detect_format(p) == "azure"
+    assert [(r.arrival, r.prompt_tokens, r.output_tokens) for r in T.load_trace(p)] == \
+           [(0.0, 770, 491), (pytest.approx(5.55, abs=1e-5), 949, 126)]
