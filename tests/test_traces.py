@@ -243,6 +243,15 @@ def test_burstgpt_both_layouts_model_as_client_failures_and_empty_prompts(tmp_pa
     assert "burstgpt" in F.FORMATS
 
 
+def test_burstgpt_says_how_many_empty_prompts_it_skipped(tmp_path, caplog):
+    p = tmp_path / "b1.csv"
+    p.write_text(BURST6 + "5.0,ChatGPT,472,18,490,Conversation log\n7.0,GPT-4,0,0,0,API log\n"
+                 "8.0,GPT-4,0,12,12,API log\n9.5,GPT-4,417,0,417,API log\n")
+    with caplog.at_level("WARNING", logger="shepherd.bench.trace_formats"):
+        assert len(T.load_trace(p)) == 2
+    assert f"{p}: skipped 2 row(s) with 0 Request tokens" in caplog.text
+
+
 @pytest.mark.parametrize("bad,msg", [
     ("6.0,ChatGPT,-3,5,2,API log", "Request tokens"),
     ("6.0,,30,5,35,API log", "Model"),

@@ -30,11 +30,14 @@ import gzip
 import heapq
 import itertools
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 from shepherd.bench.records import TraceRequest
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("azure", "mooncake", "burstgpt", "servegen", "vidur", "synthetic")
 REORDER_WINDOW = 4096
@@ -247,25 +250,37 @@ def read_servegen(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
     return list(iter_servegen(path, limit=limit))
 
 
+_SKIPS_SAID: set[tuple[str, int]] = set()
+
+
 def _burstgpt_rows(path) -> Iterator[TraceRequest]:
     # BurstGPT_1/_2: Timestamp, Model, Request tokens, Response tokens, Total tokens, Log Type;
     # BurstGPT_3 puts Session ID and Elapsed time after Timestamp: columns are found by name.
     # Session ID is not read: a turn's Request tokens are not known to include the turns before
     # it, and shepherd's sessions (TraceRequest.session) would build each prompt on the last one.
-    for lineno, row in _csv_rows(path, ("Timestamp", "Model", "Request tokens", "Response tokens")):
-        t = _float_field(path, lineno, "Timestamp", row["Timestamp"])
-        if not row["Model"]:
-            raise format_error(path, lineno, "empty Model")
-        p = _int_field(path, lineno, "Request tokens", row["Request tokens"], 0)
-        o = _int_field(path, lineno, "Response tokens", row["Response tokens"], 0)
-        if p == 0:
-            # a few percent of the published rows log no request tokens (most with no response
-            # either): there is no prompt to send or prefill, so the row is not a request
-            continue
-        # Response tokens 0 is a failed request (the README): it arrived and is kept, as a
-        # request of one output token like Azure's GeneratedTokens 0; BurstGPT_without_fails_N.csv
-        # is the same trace without them
-        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1), client=row["Model"])
+    empty = 0
+    try:
+        for lineno, row in _csv_rows(path, ("Timestamp", "Model", "Request tokens", "Response tokens")):
+            t = _float_field(path, lineno, "Timestamp", row["Timestamp"])
+            if not row["Model"]:
+                raise format_error(path, lineno, "empty Model")
+            p = _int_field(path, lineno, "Request tokens", row["Request tokens"], 0)
+            o = _int_field(path, lineno, "Response tokens", row["Response tokens"], 0)
+            if p == 0:
+                # a few percent of the published rows log no request tokens (most with no response
+                # either): there is no prompt to send or prefill, so the row is not a request
+                empty += 1
+                continue
+            # Response tokens 0 is a failed request (the README): it arrived and is kept, as a
+            # request of one output token like Azure's GeneratedTokens 0; BurstGPT_without_fails_N.csv
+            # is the same trace without them
+            yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1), client=row["Model"])
+    finally:
+        if empty and (str(path), empty) not in _SKIPS_SAID:
+            # said, not silent: the user compares the report's request count with the file's rows
+            # (once: --rate and --repeat read the file more than once)
+            _SKIPS_SAID.add((str(path), empty))
+            log.warning("%s: skipped %d row(s) with 0 Request tokens (no prompt to send)", path, empty)
 
 
 def iter_burstgpt(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
