@@ -323,3 +323,20 @@ def test_azure_2025_multimodal_trace_reads_as_azure(tmp_path):
     assert F.detect_format(p) == "azure"
     assert [(r.arrival, r.prompt_tokens, r.output_tokens) for r in T.load_trace(p)] == \
            [(0.0, 770, 491), (pytest.approx(5.55, abs=1e-5), 949, 126)]
+
+
+def test_ragpulse_seconds_not_milliseconds(tmp_path):
+    # flashserve/RAGPulse's 0_trace.jsonl: Mooncake's field names, timestamp in seconds as a string,
+    # hash_ids a map of the prompt's parts: told apart from Mooncake by that map, and read in seconds
+    p = tmp_path / "0_trace.jsonl"
+    rows = [{"timestamp": "82", "input_length": 3112, "output_length": 192, "session_id": "s1",
+             "hash_ids": {"sys_prompt": [8302, 14332], "passages_ids": [7398], "history": [15200],
+                          "web_search": [], "user_input": [26923]}},
+            {"timestamp": "93", "input_length": 3167, "output_length": 0, "session_id": "s2",
+             "hash_ids": {"sys_prompt": [8302], "passages_ids": [], "history": [], "web_search": [],
+                          "user_input": [26922]}}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert F.detect_format(p) == "ragpulse"
+    assert [(r.arrival, r.prompt_tokens, r.output_tokens, r.hash_ids) for r in T.load_trace(p)] == [
+        (0.0, 3112, 192, None), (11.0, 3167, 1, None)]
+    assert F.detect_format(DATA / "mooncake_5.jsonl") == "mooncake"

@@ -1,7 +1,7 @@
 """`shepherd bench`: open-loop load against an OpenAI-compatible endpoint, then a report.
 
     shepherd bench --url http://127.0.0.1:8000 --out out/bench \\
-        [--trace FILE [--format azure|mooncake|burstgpt|servegen|vidur|synthetic] [--limit N] [--time-scale X]]
+        [--trace FILE [--format azure|mooncake|ragpulse|burstgpt|servegen|vidur|synthetic] [--limit N] [--time-scale X]]
         [--rate R] [--burstiness B] [--num-requests N] [--input-len DIST] [--output-len DIST]
         [--shared-prefix N] [--clients K] [--max-concurrency C] [--endpoint completions|chat]
         [--model NAME] [--tokenizer PATH|none] [--api-key KEY] [--seed S] [--timeout S]
@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     p.add_argument("--out", required=True, help="output folder for summary.json, plots and records")
     w = p.add_argument_group("workload from a trace")
-    w.add_argument("--trace", help="trace file (Azure CSV, Mooncake JSONL, BurstGPT CSV, multi-tenant (servegen) CSV, vidur CSV, synthetic JSON spec)")
+    w.add_argument("--trace", help="trace file (Azure CSV, Mooncake or RAGPulse JSONL, BurstGPT CSV, multi-tenant (servegen) CSV, vidur CSV, synthetic JSON spec)")
     w.add_argument("--format", choices=FORMATS,
                    help="trace format (default: from the file name and header)")
     w.add_argument("--limit", type=int, help="use only the first N requests")

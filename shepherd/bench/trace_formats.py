@@ -3,10 +3,11 @@ multi-tenant CSV (the "servegen" format: requests generated from ServeGen's per-
 
     read_azure(path, *, limit=None)      Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)
     read_mooncake(path, *, limit=None)   Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)
+    read_ragpulse(path, *, limit=None)   RAGPulse JSONL (timestamp s, input_length, output_length)
     read_burstgpt(path, *, limit=None)   BurstGPT CSV (Timestamp s, Model, Request tokens, Response tokens, ...)
     read_servegen(path, *, limit=None)   multi-tenant CSV (timestamp_s, client_id, input_tokens, output_tokens)
     read_vidur(path, *, limit=None)      vidur's trace CSV ([arrived_at s,] num_prefill_tokens, num_decode_tokens)
-    iter_azure / iter_mooncake / iter_burstgpt / iter_servegen / iter_vidur   the lazy readers behind them
+    iter_azure / iter_mooncake / iter_ragpulse / iter_burstgpt / iter_servegen / iter_vidur   the lazy readers
     iter_file(path, fmt=None, *, limit=None)     the reader for the file's format
     detect_format(path) -> str                   from the name and header
 
@@ -39,7 +40,7 @@ from shepherd.bench.records import TraceRequest
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("azure", "mooncake", "burstgpt", "servegen", "vidur", "synthetic")
+FORMATS = ("azure", "mooncake", "ragpulse", "burstgpt", "servegen", "vidur", "synthetic")
 REORDER_WINDOW = 4096
 
 
@@ -191,7 +192,8 @@ def read_azure(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
     return list(iter_azure(path, limit=limit))
 
 
-def _mooncake_rows(path, block_size: int) -> Iterator[TraceRequest]:
+def _jsonl_objects(path) -> Iterator[tuple[int, dict]]:
+    """(lineno, object) for every non-empty line, with a clear error on a line that is not one."""
     path = Path(path)
     with open_text(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -203,21 +205,34 @@ def _mooncake_rows(path, block_size: int) -> Iterator[TraceRequest]:
                 raise format_error(path, lineno, f"not valid JSON ({e.msg})") from None
             if not isinstance(d, dict):
                 raise format_error(path, lineno, "expected a JSON object")
-            for k in ("timestamp", "input_length", "output_length"):
-                if k not in d:
-                    raise format_error(path, lineno, f"missing field {k!r}")
-            t = _float_field(path, lineno, "timestamp", d["timestamp"]) / 1e3
-            p = _int_field(path, lineno, "input_length", d["input_length"], 1)
-            o = _int_field(path, lineno, "output_length", d["output_length"], 0)
-            h = d.get("hash_ids")
-            if h is not None:
-                if not isinstance(h, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in h):
-                    raise format_error(path, lineno, "hash_ids must be a list of integers")
-                if len(h) * block_size < p - block_size:
-                    raise format_error(path, lineno, f"{len(h)} hash_ids cover {len(h) * block_size} tokens, "
-                                             f"fewer than input_length {p} allows")
-            yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
-                               hash_ids=list(h) if h is not None else None)
+            yield lineno, d
+
+
+def _jsonl_lengths(path, lineno: int, d: dict, per_second: float) -> tuple[float, int, int]:
+    """(arrival s, input_length, output_length) of a Mooncake-style object whose timestamp
+    counts `per_second` units a second."""
+    for k in ("timestamp", "input_length", "output_length"):
+        if k not in d:
+            raise format_error(path, lineno, f"missing field {k!r}")
+    t = _float_field(path, lineno, "timestamp", d["timestamp"]) / per_second
+    p = _int_field(path, lineno, "input_length", d["input_length"], 1)
+    o = _int_field(path, lineno, "output_length", d["output_length"], 0)
+    return t, p, o
+
+
+def _mooncake_rows(path, block_size: int) -> Iterator[TraceRequest]:
+    path = Path(path)
+    for lineno, d in _jsonl_objects(path):
+        t, p, o = _jsonl_lengths(path, lineno, d, 1e3)
+        h = d.get("hash_ids")
+        if h is not None:
+            if not isinstance(h, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in h):
+                raise format_error(path, lineno, "hash_ids must be a list of integers")
+            if len(h) * block_size < p - block_size:
+                raise format_error(path, lineno, f"{len(h)} hash_ids cover {len(h) * block_size} tokens, "
+                                         f"fewer than input_length {p} allows")
+        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
+                           hash_ids=list(h) if h is not None else None)
 
 
 def iter_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -> Iterator[TraceRequest]:
@@ -227,6 +242,26 @@ def iter_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -
 
 def read_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -> list[TraceRequest]:
     return list(iter_mooncake(path, limit=limit, block_size=block_size))
+
+
+def _ragpulse_rows(path) -> Iterator[TraceRequest]:
+    # flashserve/RAGPulse's 0_trace.jsonl: Mooncake's field names, but timestamp in seconds
+    # (a string), and hash_ids a map of the prompt's parts (sys_prompt, passages_ids, history,
+    # web_search, user_input) naming chunks of varying length whose token counts live in the
+    # release's side files: not shepherd's fixed blocks, so they are not read and no prefix
+    # sharing is modelled. session_id is not read either (prompts are not built on the last turn).
+    for lineno, d in _jsonl_objects(path):
+        t, p, o = _jsonl_lengths(path, lineno, d, 1.0)
+        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1))
+
+
+def iter_ragpulse(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
+    """RAGPulse JSONL: timestamp (s), input_length, output_length; hash_ids and session_id not read."""
+    return _ordered(_ragpulse_rows(path), path, limit)
+
+
+def read_ragpulse(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
+    return list(iter_ragpulse(path, limit=limit))
 
 
 def _servegen_rows(path) -> Iterator[TraceRequest]:
@@ -315,7 +350,11 @@ def read_vidur(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
 def detect_format(path) -> str:
     p = str(path).lower().removesuffix(".gz")
     if p.endswith(".jsonl"):
-        return "mooncake"
+        # RAGPulse writes Mooncake's field names with hash_ids as a map of the prompt's parts
+        objects = _jsonl_objects(path)
+        first = next(objects, (0, {}))[1]
+        objects.close()
+        return "ragpulse" if isinstance(first.get("hash_ids"), dict) else "mooncake"
     if p.endswith(".json"):
         return "synthetic"
     with open_text(path) as f:
@@ -344,12 +383,12 @@ def iter_file(path, fmt: Optional[str] = None, *, limit: Optional[int] = None) -
     """A real trace file, read lazily by its format's reader."""
     fmt = fmt or detect_format(path)
     readers = {"azure": iter_azure, "mooncake": iter_mooncake, "burstgpt": iter_burstgpt, "servegen": iter_servegen,
-               "vidur": iter_vidur}
+               "vidur": iter_vidur, "ragpulse": iter_ragpulse}
     if fmt not in readers:
         raise ValueError(f"{path}: not a trace file format ({fmt!r}; one of {', '.join(readers)})")
     return readers[fmt](path, limit=limit)
 
 
-__all__ = ["FORMATS", "TraceFormatError", "format_error", "read_azure", "read_mooncake", "read_burstgpt",
-           "read_servegen", "read_vidur", "iter_azure", "iter_mooncake", "iter_burstgpt", "iter_servegen", "iter_vidur",
-           "iter_file", "detect_format"]
+__all__ = ["FORMATS", "TraceFormatError", "format_error", "read_azure", "read_mooncake", "read_ragpulse",
+           "read_burstgpt", "read_servegen", "read_vidur", "iter_azure", "iter_mooncake", "iter_ragpulse",
+           "iter_burstgpt", "iter_servegen", "iter_vidur", "iter_file", "detect_format"]

@@ -1,6 +1,6 @@
 """`shepherd simulate`: the real scheduler and routing policies over a trace, on a virtual clock.
 
-    shepherd simulate --trace FILE [--format azure|mooncake|burstgpt|servegen|vidur|synthetic]
+    shepherd simulate --trace FILE [--format azure|mooncake|ragpulse|burstgpt|servegen|vidur|synthetic]
         [--model NAME] [--gpu NAME] [--tp N] [--replicas N] [--router POLICY [--router-knob K=V ...]]
         [--max-total-tokens N] [--max-batch-size N] [--max-num-tokens N] [--admission MODE]
         [--preemption MODE] [--policy NAME] [--no-prefix-cache] [--page-size N]
@@ -66,7 +66,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="each request names one of N LoRA adapters (lora-0 .. lora-N-1), Zipf-popular")
     w.add_argument("--adapter-zipf", type=float, default=1.0, metavar="S",
                    help="adapter k (from 0) is asked with probability ~ 1/(k+1)^S (0: uniform)")
-    w.add_argument("--trace", default=None, help="trace file (Azure CSV, Mooncake JSONL, BurstGPT CSV, multi-tenant (servegen) CSV, vidur CSV, synthetic JSON)")
+    w.add_argument("--trace", default=None, help="trace file (Azure CSV, Mooncake or RAGPulse JSONL, BurstGPT CSV, multi-tenant (servegen) CSV, vidur CSV, synthetic JSON)")
     w.add_argument("--format", choices=FORMATS, default=None,
                    help="trace format (default: from the file)")
     w.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
