@@ -734,6 +734,7 @@ def main() -> int:
                                 + (f" --openai-workloads {a.openai_workloads}"
                                    if a.openai_workloads != ",".join(OPENAI_WORKLOADS) else "")
                                 + (f" --llama-spec '{a.llama_spec}'" if a.llama_spec else "")
+                                + (" --no-vllm-bench" if a.no_vllm_bench else "")
                                 + "".join(f" --shepherd-arg={x}" for x in a.shepherd_arg)
                                 + (f" --section {a.section}" if a.section != "peers" else ""),
                      "workloads": [w["name"] for w in wl], "peers": {}, "skipped": skipped, "notes": []}
