@@ -333,6 +333,11 @@ def test_prompt_lengths_with_real_tokenizer():
     y = b2.build(TraceRequest(0.0, 150, 4, hash_ids=[5, 6, 9]), 1)
     ex, ey = tok.encode(x.text), tok.encode(y.text)
     assert len(ex) == 200 and len(ey) == 150 and ex[:128] == ey[:128] and ex[128:150] != ey[128:150]
+    # RAGPulse's variable-length chunks: shared as far as the leading chunk ids agree
+    u = b2.build(TraceRequest(0.0, 200, 4, chunks=[(1, 90), (2, 70), (3, 30)]), 2)
+    v = b2.build(TraceRequest(0.0, 200, 4, chunks=[(1, 90), (4, 70), (3, 30)]), 3)
+    eu, ev = tok.encode(u.text), tok.encode(v.text)
+    assert len(eu) == len(ev) == 200 and eu[:90] == ev[:90] and eu[90:160] != ev[90:160]
 
 
 def test_prometheus_parse():

@@ -340,3 +340,28 @@ def test_ragpulse_seconds_not_milliseconds(tmp_path):
     assert [(r.arrival, r.prompt_tokens, r.output_tokens, r.hash_ids) for r in T.load_trace(p)] == [
         (0.0, 3112, 192, None), (11.0, 3167, 1, None)]
     assert F.detect_format(DATA / "mooncake_5.jsonl") == "mooncake"
+
+
+def test_ragpulse_chunks_from_its_side_files_share_prefixes(tmp_path, caplog):
+    # with the release's side files beside the trace, hash_ids become the prompt's chunks in order:
+    # two prompts share tokens as far as their leading chunk ids agree
+    rows = [{"timestamp": "0", "input_length": 530, "output_length": 5,
+             "hash_ids": {"sys_prompt": [1, 2], "passages_ids": [7], "history": [], "web_search": [],
+                          "user_input": [9]}},
+            {"timestamp": "5", "input_length": 528, "output_length": 5,
+             "hash_ids": {"sys_prompt": [1, 3], "passages_ids": [7], "history": [], "web_search": [],
+                          "user_input": [10]}}]
+    (tmp_path / "0_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING", logger="shepherd.bench.trace_formats"):
+        assert all(r.chunks is None for r in T.load_trace(tmp_path / "0_trace.jsonl"))
+    assert "none of RAGPulse's side files" in caplog.text
+    sides = {"1_sys_prompt.jsonl": [("sys_prompt_id", 1, 256), ("sys_prompt_id", 2, 200), ("sys_prompt_id", 3, 198)],
+             "2_passages.jsonl": [("passage_id", 7, 60)], "3_history.jsonl": [],
+             "4_user_input.jsonl": [("user_input_id", 9, 8), ("user_input_id", 10, 8)], "5_web_search.jsonl": []}
+    for name, items in sides.items():
+        (tmp_path / name).write_text("".join(json.dumps({k: i, "token_length": n}) + "\n\n" for k, i, n in items))
+    a, b = T.load_trace(tmp_path / "0_trace.jsonl")
+    assert a.chunks == [(1, 256), (2, 200), (7, 60), (9, 8)] and b.chunks[:2] == [(1, 256), (3, 198)]
+    ia, ib = T.prompt_token_ids(a, 32000), T.prompt_token_ids(b, 32000)
+    assert (len(ia), len(ib)) == (530, 528)
+    assert ia[:256] == ib[:256] and ia[256:456] != ib[256:454]

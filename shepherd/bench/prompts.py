@@ -209,6 +209,12 @@ class PromptBuilder:
                     break
                 head += self._block(("hash", h), self.block_size)
             head = head[:n]
+        elif tr.chunks:
+            for cid, k in tr.chunks:
+                if len(head) >= n:
+                    break
+                head += self._block(("chunk", cid), k)
+            head = head[:n]
         elif self.shared_prefix > 0 or tr.prefix_tokens:
             # a trace's own shared prefix (a synthetic spec's system prompt) wins over --shared-prefix
             group = tr.prefix_group if tr.prefix_group is not None else "shared"

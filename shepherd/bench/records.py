@@ -54,3 +54,4 @@ class TraceRequest:
     session: Optional[str] = None             # synthetic multi-turn session id
     turn: int = 0                             # turn number within the session
     adapter: Optional[str] = None             # the LoRA adapter it names (None: the base model)
+    chunks: Optional[list[tuple[int, int]]] = None  # RAGPulse: (chunk id, tokens) in prompt order; equal ids = equal tokens

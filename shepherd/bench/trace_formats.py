@@ -244,19 +244,54 @@ def read_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -
     return list(iter_mooncake(path, limit=limit, block_size=block_size))
 
 
+# the release's side files beside 0_trace.jsonl: {"<part>_id": id, "token_length": n} a line
+RAGPULSE_PARTS = ("1_sys_prompt.jsonl", "2_passages.jsonl", "3_history.jsonl", "4_user_input.jsonl",
+                  "5_web_search.jsonl")
+_RAGPULSE_SAID: set[str] = set()
+
+
+def _ragpulse_lengths(path) -> Optional[dict[int, int]]:
+    """{chunk id: tokens} from the side files beside `path`; None when none is there."""
+    files = [Path(path).parent / f for f in RAGPULSE_PARTS]
+    if not any(f.exists() for f in files):
+        return None
+    lengths: dict[int, int] = {}
+    for f in files:
+        for lineno, d in _jsonl_objects(f):
+            ids = [v for k, v in d.items() if k.endswith("_id")]
+            if len(ids) != 1 or "token_length" not in d:
+                raise format_error(f, lineno, "expected one '<part>_id' and 'token_length'")
+            lengths[_int_field(f, lineno, "id", ids[0])] = _int_field(f, lineno, "token_length", d["token_length"])
+    return lengths
+
+
 def _ragpulse_rows(path) -> Iterator[TraceRequest]:
     # flashserve/RAGPulse's 0_trace.jsonl: Mooncake's field names, but timestamp in seconds
     # (a string), and hash_ids a map of the prompt's parts (sys_prompt, passages_ids, history,
-    # web_search, user_input) naming chunks of varying length whose token counts live in the
-    # release's side files: not shepherd's fixed blocks, so they are not read and no prefix
-    # sharing is modelled. session_id is not read either (prompts are not built on the last turn).
+    # web_search, user_input, in that order) naming chunks of varying length whose token counts
+    # are in the side files beside it. With them the prompt is those chunks in order (the 6-12
+    # tokens input_length adds to their sum, the chat template's, end it, unique); without them
+    # no sharing is modelled. session_id is not read (prompts are not built on the last turn).
+    lengths = _ragpulse_lengths(path)
+    if lengths is None and str(path) not in _RAGPULSE_SAID:
+        _RAGPULSE_SAID.add(str(path))
+        log.warning("%s: none of RAGPulse's side files (%s) beside it: prompts share no chunks",
+                    path, ", ".join(RAGPULSE_PARTS))
     for lineno, d in _jsonl_objects(path):
         t, p, o = _jsonl_lengths(path, lineno, d, 1.0)
-        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1))
+        chunks = None
+        h = d.get("hash_ids")
+        if lengths is not None and isinstance(h, dict):
+            try:
+                chunks = [(cid, lengths[cid]) for part in h.values() for cid in part]
+            except (KeyError, TypeError):
+                raise format_error(path, lineno, "hash_ids names a chunk the side files do not list") from None
+        yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1), chunks=chunks)
 
 
 def iter_ragpulse(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """RAGPulse JSONL: timestamp (s), input_length, output_length; hash_ids and session_id not read."""
+    """RAGPulse JSONL: timestamp (s), input_length, output_length; hash_ids as chunks when the
+    release's side files are beside it."""
     return _ordered(_ragpulse_rows(path), path, limit)
 
 

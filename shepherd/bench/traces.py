@@ -163,7 +163,7 @@ def _seed_of(key: str) -> int:
 
 def prompt_segments(tr: TraceRequest, block_size: int = 512) -> list[tuple[str, int, int]]:
     """The prompt as (stream key, start, length) pieces, in order: Mooncake blocks,
-    else the shared group prefix, then the session's stream, then the request's
+    else RAGPulse chunks, else the shared group prefix, then the session's stream, then the request's
     own stream. Equal keys at equal positions mean equal tokens; the prefix
     cache bounds (sim/cache_bounds.py) read the sharing from here."""
     n = tr.prompt_tokens
@@ -175,6 +175,15 @@ def prompt_segments(tr: TraceRequest, block_size: int = 512) -> list[tuple[str, 
                 break
             k = min(block_size, n - have)
             segs.append((f"block/{h}", 0, k))
+            have += k
+    elif tr.chunks:
+        # variable-length chunks (RAGPulse's system prompt, passages, history, ...): two prompts
+        # share tokens as far as their leading chunk ids agree
+        for cid, k in tr.chunks:
+            k = min(k, n - have)
+            if k <= 0:
+                break
+            segs.append((f"chunk/{cid}", 0, k))
             have += k
     elif tr.prefix_group and tr.prefix_tokens:
         have = min(tr.prefix_tokens, n)
