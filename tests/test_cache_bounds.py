@@ -153,3 +153,13 @@ def test_simulator_causal_bound_equals_a_replay_with_every_finish_known(router):
     running = sum(1 for tr in trace if tr.turn > 0)
     assert running and b["lru_cluster_causal_hit_tokens"] < b["lru_cluster_hit_tokens"]
     assert b["lru_cluster_causal_hit_tokens"] == replayed_causal(trace, res.records, 3 * cap, 16)
+
+
+def test_causal_bound_evicts_only_the_overflowing_tail():
+    # 10 tokens, blocks of 4: [1, 2] then [5] overflow by 2. lru_cluster drops block 2 whole (a hit of
+    # 4 on the next [1, 2]); the causal bound trims 2 tokens off block 2's tail (a hit of 4 + 2)
+    b = HitRateBounds(capacity_tokens=10, block_size=4)
+    for tr in (blocks(0, 0.0, [1, 2], 8), blocks(1, 1.0, [5], 4), blocks(2, 2.0, [1, 2], 8)):
+        b.observe(tr)
+    r = b.result()
+    assert r["lru_cluster_hit_tokens"] == 4 and r["lru_cluster_causal_hit_tokens"] == 6

@@ -34,6 +34,10 @@
   while its previous answer runs, a replica can hold more than the bound.
   A request that never finishes (refused, failed, stuck) adds no answer.
   Without a request id (observe(tr)) no answer ever enters this cache.
+  It also evicts only what it must: of the least recently used piece, the
+  tail that overflows (a block LRU frees a sequence's last blocks first, and
+  so does the engine's radix cache, scheduler/radix_cache.py); lru_cluster
+  drops the piece whole (a session's whole history), leaving room empty.
 
   Finishes come out of the simulator late and out of order (a replica runs
   only when a routing decision needs it), so arrivals and answers wait in a
@@ -77,8 +81,9 @@ def chained(tr: TraceRequest, block_size: int) -> list[tuple[object, int, bool]]
 class _LRU:
     """One LRU cache of whole pieces (chain key -> cached length), `capacity` tokens."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, trim: bool = False):
         self.capacity = capacity
+        self.trim = trim
         self._table: OrderedDict = OrderedDict()
         self._tokens = 0
         self._uniq = 0
@@ -102,8 +107,14 @@ class _LRU:
             lru[key] = max(old, n)
             self._tokens += max(old, n) - old
         while self._tokens > self.capacity and lru:
-            _, n = lru.popitem(last=False)
-            self._tokens -= n
+            over = self._tokens - self.capacity
+            key, n = next(iter(lru.items()))
+            if self.trim and n > over:
+                lru[key] = n - over      # only the oldest piece's tail goes; it keeps its place
+                self._tokens -= over
+            else:
+                lru.popitem(last=False)
+                self._tokens -= n
 
 
 def _match(pieces, table) -> int:
@@ -132,7 +143,7 @@ class HitRateBounds:
         self.hit_causal = 0
         self._seen: dict[int, int] = {}                 # chain key -> longest length seen
         self._lru = _LRU(capacity_tokens)
-        self._causal = _LRU(capacity_tokens)
+        self._causal = _LRU(capacity_tokens, trim=True)
         self._queue: list = []          # (time, _ANSWER | _ARRIVAL, seq, pieces, cap, tr or None)
         self._seq = 0
         self._answers: dict = {}        # request id -> its prompt's pieces with the answer, until it finishes
