@@ -92,6 +92,9 @@ def load(a):
 
 def run_one(job):
     name, knobs, label, a = job
+    if a.whole_leaf_eviction:
+        import shepherd.scheduler.radix_cache as radix
+        radix.EVICT_CHUNK_TOKENS = 1 << 62      # every eviction frees its whole leaf, as before
     from shepherd.config import SchedulerConfig
     from shepherd.sim.simulator import SimConfig, Simulator
     trace = load(a)
@@ -252,6 +255,9 @@ def main() -> None:
     ap.add_argument("--knobs", default=None, help="JSON knobs for the chosen --routers (e.g. precise-prefix's "
                                                    "pressure_weight, pressure_window); rows labelled with them")
     ap.add_argument("--explain", action="store_true", help="split each router's distance to the LRU bound")
+    ap.add_argument("--whole-leaf-eviction", action="store_true",
+                    help="the replicas' radix caches free whole leaves (the engine before it freed only the "
+                         "tail it needs): for before/after figures; never written to the docs")
     ap.add_argument("--docs", action="store_true", help="write the table into docs/ROUTING.md")
     a = ap.parse_args()
     if a.trace not in BUILTIN and not os.path.isfile(a.trace):
@@ -282,7 +288,7 @@ def main() -> None:
         json.dump({"args": {k: v for k, v in vars(a).items()}, "rows": rows}, f, indent=1)
     print(md)
     print(xmd)
-    if a.docs:
+    if a.docs and not a.whole_leaf_eviction:
         from routing_sim import write_docs
         if a.trace not in BUILTIN:
             write_docs(md, mark=f"fleet-sim-trace-{os.path.splitext(os.path.basename(a.trace))[0]}")

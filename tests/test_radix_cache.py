@@ -140,3 +140,21 @@ def test_reset_frees_every_unlocked_node_and_keeps_the_locked_path():
     t.dec_lock_ref(node)                       # the request ends: its path is an ordinary cached prefix
     assert t.evictable_size == 5 and t.evict(100) == 5 and pool.free_pages == 64
     t.check()
+
+
+def test_eviction_frees_only_the_tail_it_needs():
+    # a long leaf loses its tail (at least EVICT_CHUNK_TOKENS, page-aligned), not the whole history:
+    # the front stays cached and matchable, a leaf again at the same age
+    from shepherd.scheduler.radix_cache import EVICT_CHUNK_TOKENS as C
+    pool = KVPool(4096, page_size=16)
+    t = RadixCache(pool)
+    old = list(range(1000, 1000 + 4 * C))            # inserted first: the LRU leaf
+    new = list(range(9000, 9000 + 4 * C))
+    _ins(t, pool, old)
+    _ins(t, pool, new)
+    assert t.evict(16) == C                          # one page asked: one chunk freed
+    assert t.match_len(old) == 3 * C and t.match_len(new) == 4 * C
+    assert t.evict(C + 16) == C + 16                 # the same front is still the oldest
+    assert t.match_len(old) == 2 * C - 16 and t.match_len(new) == 4 * C
+    assert t.evicted_total == 2 * C + 16 and t.evictable_size == 6 * C - 16
+    t.check()
