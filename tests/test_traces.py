@@ -66,7 +66,7 @@ def test_csv_reader_rejects_missing_column(tmp_path):
     p = tmp_path / "t.csv"
     p.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.68,374\n")
     with pytest.raises(F.TraceFormatError, match=r":1: header lacks"):
-        F.read_azure(p)
+        list(F.iter_file(p, "azure"))
 
 
 @pytest.mark.parametrize("name,text", [
@@ -95,7 +95,7 @@ def test_mooncake_rejects_malformed_rows_with_line_number(tmp_path, bad, msg):
     good = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]})
     p.write_text("\n".join([good, good, bad]) + "\n")
     with pytest.raises(F.TraceFormatError) as e:
-        F.read_mooncake(p)
+        list(F.iter_file(p, "mooncake"))
     assert f"{p}:3:" in str(e.value) and msg in str(e.value)
 
 

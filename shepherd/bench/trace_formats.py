@@ -1,14 +1,15 @@
-"""Readers for real traces: Azure LLM inference 2023/2024, Mooncake, BurstGPT, and shepherd's
-multi-tenant CSV (the "servegen" format: requests generated from ServeGen's per-client distributions).
+"""Readers for real traces: Azure LLM inference 2023/2024/2025, Mooncake, RAGPulse, BurstGPT, vidur,
+and shepherd's multi-tenant CSV (the "servegen" format: requests generated from ServeGen's
+per-client distributions). One row reader per format (`_ROWS`), behind one entry point:
 
-    read_azure(path, *, limit=None)      Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)
-    read_mooncake(path, *, limit=None)   Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)
-    read_ragpulse(path, *, limit=None)   RAGPulse JSONL (timestamp s, input_length, output_length)
-    read_burstgpt(path, *, limit=None)   BurstGPT CSV (Timestamp s, Model, Request tokens, Response tokens, ...)
-    read_servegen(path, *, limit=None)   multi-tenant CSV (timestamp_s, client_id, input_tokens, output_tokens)
-    read_vidur(path, *, limit=None)      vidur's trace CSV ([arrived_at s,] num_prefill_tokens, num_decode_tokens)
-    iter_azure / iter_mooncake / iter_ragpulse / iter_burstgpt / iter_servegen / iter_vidur   the lazy readers
-    iter_file(path, fmt=None, *, limit=None)     the reader for the file's format
+    azure      Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)
+    mooncake   Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)
+    ragpulse   RAGPulse JSONL (timestamp s, input_length, output_length, hash_ids as chunks)
+    burstgpt   BurstGPT CSV (Timestamp s, Model, Request tokens, Response tokens, ...)
+    servegen   multi-tenant CSV (timestamp_s, client_id, input_tokens, output_tokens)
+    vidur      vidur's trace CSV ([arrived_at s,] num_prefill_tokens, num_decode_tokens)
+
+    iter_file(path, fmt=None, *, limit=None)     the file's requests, read lazily by its format's reader
     detect_format(path) -> str                   from the name and header
 
 Memory: the readers are generators: a trace of any length is read with a
@@ -59,6 +60,16 @@ def open_text(path):
     if str(path).lower().endswith(".gz"):
         return gzip.open(path, "rt", newline="", encoding=ENCODING)
     return open(path, newline="", encoding=ENCODING)
+
+
+_SAID: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    """A reader's warning about a file, once a process: --rate and --repeat read a file more than once."""
+    if msg not in _SAID:
+        _SAID.add(msg)
+        log.warning("%s", msg)
 
 
 def format_error(path, lineno: int, msg: str) -> TraceFormatError:
@@ -183,13 +194,6 @@ def _azure_rows(path) -> Iterator[TraceRequest]:
         yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1))
 
 
-def iter_azure(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """Azure LLM inference trace 2023 (conv or code)."""
-    return _ordered(_azure_rows(path), path, limit)
-
-
-def read_azure(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
-    return list(iter_azure(path, limit=limit))
 
 
 def _jsonl_objects(path) -> Iterator[tuple[int, dict]]:
@@ -220,7 +224,7 @@ def _jsonl_lengths(path, lineno: int, d: dict, per_second: float) -> tuple[float
     return t, p, o
 
 
-def _mooncake_rows(path, block_size: int) -> Iterator[TraceRequest]:
+def _mooncake_rows(path, block_size: int = 512) -> Iterator[TraceRequest]:
     path = Path(path)
     for lineno, d in _jsonl_objects(path):
         t, p, o = _jsonl_lengths(path, lineno, d, 1e3)
@@ -235,19 +239,11 @@ def _mooncake_rows(path, block_size: int) -> Iterator[TraceRequest]:
                            hash_ids=list(h) if h is not None else None)
 
 
-def iter_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -> Iterator[TraceRequest]:
-    """Mooncake trace JSONL: timestamp (ms), input_length, output_length, hash_ids."""
-    return _ordered(_mooncake_rows(path, block_size), path, limit)
-
-
-def read_mooncake(path, *, limit: Optional[int] = None, block_size: int = 512) -> list[TraceRequest]:
-    return list(iter_mooncake(path, limit=limit, block_size=block_size))
 
 
 # the release's side files beside 0_trace.jsonl: {"<part>_id": id, "token_length": n} a line
 RAGPULSE_PARTS = ("1_sys_prompt.jsonl", "2_passages.jsonl", "3_history.jsonl", "4_user_input.jsonl",
                   "5_web_search.jsonl")
-_RAGPULSE_SAID: set[str] = set()
 
 
 def _ragpulse_lengths(path) -> Optional[dict[int, int]]:
@@ -273,10 +269,9 @@ def _ragpulse_rows(path) -> Iterator[TraceRequest]:
     # tokens input_length adds to their sum, the chat template's, end it, unique); without them
     # no sharing is modelled. session_id is not read (prompts are not built on the last turn).
     lengths = _ragpulse_lengths(path)
-    if lengths is None and str(path) not in _RAGPULSE_SAID:
-        _RAGPULSE_SAID.add(str(path))
-        log.warning("%s: none of RAGPulse's side files (%s) beside it: prompts share no chunks",
-                    path, ", ".join(RAGPULSE_PARTS))
+    if lengths is None:
+        _warn_once(f"{path}: none of RAGPulse's side files ({', '.join(RAGPULSE_PARTS)}) beside it: prompts "
+                   "share no chunks")
     for lineno, d in _jsonl_objects(path):
         t, p, o = _jsonl_lengths(path, lineno, d, 1.0)
         chunks = None
@@ -289,14 +284,6 @@ def _ragpulse_rows(path) -> Iterator[TraceRequest]:
         yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1), chunks=chunks)
 
 
-def iter_ragpulse(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """RAGPulse JSONL: timestamp (s), input_length, output_length; hash_ids as chunks when the
-    release's side files are beside it."""
-    return _ordered(_ragpulse_rows(path), path, limit)
-
-
-def read_ragpulse(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
-    return list(iter_ragpulse(path, limit=limit))
 
 
 def _servegen_rows(path) -> Iterator[TraceRequest]:
@@ -310,17 +297,6 @@ def _servegen_rows(path) -> Iterator[TraceRequest]:
                            client=f"client-{row['client_id']}")
 
 
-def iter_servegen(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """Multi-tenant CSV: timestamp_s, client_id, input_tokens, output_tokens. ServeGen publishes
-    per-client distributions, not requests: this is the file shepherd's sample was generated into."""
-    return _ordered(_servegen_rows(path), path, limit)
-
-
-def read_servegen(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
-    return list(iter_servegen(path, limit=limit))
-
-
-_SKIPS_SAID: set[tuple[str, int]] = set()
 
 
 def _burstgpt_rows(path) -> Iterator[TraceRequest]:
@@ -346,20 +322,11 @@ def _burstgpt_rows(path) -> Iterator[TraceRequest]:
             # is the same trace without them
             yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1), client=row["Model"])
     finally:
-        if empty and (str(path), empty) not in _SKIPS_SAID:
+        if empty:
             # said, not silent: the user compares the report's request count with the file's rows
-            # (once: --rate and --repeat read the file more than once)
-            _SKIPS_SAID.add((str(path), empty))
-            log.warning("%s: skipped %d row(s) with 0 Request tokens (no prompt to send)", path, empty)
+            _warn_once(f"{path}: skipped {empty} row(s) with 0 Request tokens (no prompt to send)")
 
 
-def iter_burstgpt(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """BurstGPT CSV (HPMLL/BurstGPT): Model becomes the request's client (tenant)."""
-    return _ordered(_burstgpt_rows(path), path, limit)
-
-
-def read_burstgpt(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
-    return list(iter_burstgpt(path, limit=limit))
 
 
 def _vidur_rows(path) -> Iterator[TraceRequest]:
@@ -373,13 +340,6 @@ def _vidur_rows(path) -> Iterator[TraceRequest]:
         yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1))
 
 
-def iter_vidur(path, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """vidur's trace CSV: [arrived_at,] num_prefill_tokens, num_decode_tokens."""
-    return _ordered(_vidur_rows(path), path, limit)
-
-
-def read_vidur(path, *, limit: Optional[int] = None) -> list[TraceRequest]:
-    return list(iter_vidur(path, limit=limit))
 
 
 def detect_format(path) -> str:
@@ -414,16 +374,17 @@ def detect_format(path) -> str:
                            f"pass --format {'|'.join(FORMATS)}")
 
 
+_ROWS = {"azure": _azure_rows, "mooncake": _mooncake_rows, "ragpulse": _ragpulse_rows,
+         "burstgpt": _burstgpt_rows, "servegen": _servegen_rows, "vidur": _vidur_rows}
+
+
 def iter_file(path, fmt: Optional[str] = None, *, limit: Optional[int] = None) -> Iterator[TraceRequest]:
-    """A real trace file, read lazily by its format's reader."""
+    """A real trace file's requests, read lazily by its format's reader (in arrival order, the
+    first at 0; module doc)."""
     fmt = fmt or detect_format(path)
-    readers = {"azure": iter_azure, "mooncake": iter_mooncake, "burstgpt": iter_burstgpt, "servegen": iter_servegen,
-               "vidur": iter_vidur, "ragpulse": iter_ragpulse}
-    if fmt not in readers:
-        raise ValueError(f"{path}: not a trace file format ({fmt!r}; one of {', '.join(readers)})")
-    return readers[fmt](path, limit=limit)
+    if fmt not in _ROWS:
+        raise ValueError(f"{path}: not a trace file format ({fmt!r}; one of {', '.join(_ROWS)})")
+    return _ordered(_ROWS[fmt](path), path, limit)
 
 
-__all__ = ["FORMATS", "TraceFormatError", "format_error", "read_azure", "read_mooncake", "read_ragpulse",
-           "read_burstgpt", "read_servegen", "read_vidur", "iter_azure", "iter_mooncake", "iter_ragpulse",
-           "iter_burstgpt", "iter_servegen", "iter_vidur", "iter_file", "detect_format"]
+__all__ = ["FORMATS", "TraceFormatError", "format_error", "iter_file", "detect_format"]

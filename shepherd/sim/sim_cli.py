@@ -24,6 +24,7 @@ from shepherd.bench.trace_formats import FORMATS
 from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
                              ConfigError, SchedulerConfig, SpeculativeConfig)
 
+
 def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
     s = SchedulerConfig()
     k = p.add_argument_group("scheduler (as in `shepherd serve`)")
