@@ -194,8 +194,6 @@ def _azure_rows(path) -> Iterator[TraceRequest]:
         yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1))
 
 
-
-
 def _jsonl_objects(path) -> Iterator[tuple[int, dict]]:
     """(lineno, object) for every non-empty line, with a clear error on a line that is not one."""
     path = Path(path)
@@ -237,8 +235,6 @@ def _mooncake_rows(path, block_size: int = 512) -> Iterator[TraceRequest]:
                                          f"fewer than input_length {p} allows")
         yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
                            hash_ids=list(h) if h is not None else None)
-
-
 
 
 # the release's side files beside 0_trace.jsonl: {"<part>_id": id, "token_length": n} a line
@@ -284,8 +280,6 @@ def _ragpulse_rows(path) -> Iterator[TraceRequest]:
         yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1), chunks=chunks)
 
 
-
-
 def _servegen_rows(path) -> Iterator[TraceRequest]:
     for lineno, row in _csv_rows(path, ("timestamp_s", "client_id", "input_tokens", "output_tokens")):
         t = _float_field(path, lineno, "timestamp_s", row["timestamp_s"])
@@ -295,8 +289,6 @@ def _servegen_rows(path) -> Iterator[TraceRequest]:
         o = _int_field(path, lineno, "output_tokens", row["output_tokens"], 0)
         yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1),
                            client=f"client-{row['client_id']}")
-
-
 
 
 def _burstgpt_rows(path) -> Iterator[TraceRequest]:
@@ -327,8 +319,6 @@ def _burstgpt_rows(path) -> Iterator[TraceRequest]:
             _warn_once(f"{path}: skipped {empty} row(s) with 0 Request tokens (no prompt to send)")
 
 
-
-
 def _vidur_rows(path) -> Iterator[TraceRequest]:
     # microsoft/vidur's processed traces: arrived_at (s) with the lengths (trace replay), or the
     # lengths alone (its length generator: no arrivals, so every request arrives at 0, a batch;
@@ -338,8 +328,6 @@ def _vidur_rows(path) -> Iterator[TraceRequest]:
         p = _int_field(path, lineno, "num_prefill_tokens", row["num_prefill_tokens"], 1)
         o = _int_field(path, lineno, "num_decode_tokens", row["num_decode_tokens"], 0)
         yield TraceRequest(arrival=t, prompt_tokens=p, output_tokens=max(o, 1))
-
-
 
 
 def detect_format(path) -> str:
