@@ -61,6 +61,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 TOK = {"tokenizer_type": "tokens"}
 BUILTIN = ("sessions", "mooncake")
+SESSION_ARGS = ("requests", "replicas", "session_rate", "turns", "think_time", "input_len", "output_len",
+                "system_tokens", "system_prompts", "seed")   # and kv_capacity 65,536 (set after parsing)
 ROUTERS = [("least-request", {}, "defaults"),
            ("prefix-aware", TOK, "tokens, 16-token blocks"),
            ("cache-aware", TOK, "tokens"),
@@ -233,7 +235,7 @@ def table(rows, a) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--replicas", type=int, default=8)
@@ -259,6 +261,11 @@ def main() -> None:
                     help="the replicas' radix caches free whole leaves (the engine before it freed only the "
                          "tail it needs): for before/after figures; never written to the docs")
     ap.add_argument("--docs", action="store_true", help="write the table into docs/ROUTING.md")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     a = ap.parse_args()
     if a.trace not in BUILTIN and not os.path.isfile(a.trace):
         ap.error(f"--trace: {a.trace} is neither {' nor '.join(BUILTIN)} nor a file")
@@ -288,6 +295,8 @@ def main() -> None:
         json.dump({"args": {k: v for k, v in vars(a).items()}, "rows": rows}, f, indent=1)
     print(md)
     print(xmd)
+    default_sessions = (a.trace == "sessions" and a.kv_capacity == 65536
+                        and all(getattr(a, k) == ap.get_default(k) for k in SESSION_ARGS))
     if a.docs and not a.whole_leaf_eviction:
         from routing_sim import write_docs
         if a.trace not in BUILTIN:
@@ -295,8 +304,9 @@ def main() -> None:
         elif a.trace == "mooncake":
             write_docs(md, mark="fleet-sim-mooncake")
         elif a.routers is None and not a.knobs:   # the sessions table has every router's row, as defaults
-            write_docs(md, mark="fleet-sim")
-        if xmd:
+            # other generator arguments: the scaled trace fleet_gateway.py replays (the command it prints)
+            write_docs(md, mark="fleet-sim" if default_sessions else "fleet-sim-scaled")
+        if xmd and default_sessions:
             write_docs(xmd, mark="fleet-sim-explain")
 
 

@@ -157,3 +157,31 @@ def test_fleet_sim_replays_a_trace_file(tmp_path):
     bad = subprocess.run([sys.executable, str(root / "benchmarks" / "fleet_sim.py"), "--trace",
                           str(tmp_path / "absent.jsonl")], capture_output=True, text=True, timeout=60, cwd=root)
     assert bad.returncode == 2 and "neither sessions nor mooncake nor a file" in bad.stderr
+
+
+def test_the_gateway_run_replays_the_simulators_sessions_trace_scaled():
+    # benchmarks/fleet_gateway.py plays fleet_sim.py's own sessions trace (the command it prints gives
+    # the simulator the same requests on 3 replicas), and each turn it sends is the previous prompt,
+    # the replica's answer (whatever its ids) and the trace's new tokens, as long as the trace's prompt
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import fleet_gateway
+    import fleet_sim
+    g = fleet_gateway.parse(["--requests", "60"])
+    s = fleet_sim.parser().parse_args(fleet_gateway.sim_command(g).split()[2:])
+    assert (s.replicas, s.kv_capacity) == (3, g.kv_capacity)
+    trace = fleet_gateway.session_trace(g)
+    assert trace == synthetic(fleet_sim.workload(s)) and len(trace) == 60
+    held: dict = {}
+    later = 0
+    for tr in trace:
+        prev = held.get(tr.session, [])
+        p = fleet_gateway.turn_prompt(prev, tr)
+        assert p[:len(prev)] == prev and len(p) == tr.prompt_tokens
+        later += bool(prev)
+        held[tr.session] = p + [1000 + tr.turn] * tr.output_tokens    # an answer of the asked length
+    assert later > 20
+    firsts = [fleet_gateway.turn_prompt([], tr) for tr in trace if tr.turn == 0]
+    shared = {tuple(p[:g.system_tokens]) for p in firsts}
+    assert len(shared) <= g.system_prompts < len(firsts)     # turn 1 opens with a shared system prompt
