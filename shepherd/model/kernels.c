@@ -717,7 +717,8 @@ static inline void bf16_store(__m512 v, const uint16_t *bias, void *y, int64_t o
 /* literal R and C so each full block compiles to straight-line register code; the last tiles of
  * an N that is not a multiple of 64 take the generic loop (same sums) */
 #define BF_BLOCK(block, xb)                                         \
-    if (C < 4) block(xb, K, R, wt, C, acc, pf, pfn);                \
+    if (C < 4 && R == 1 && C == 2) block(xb, K, 1, wt, 2, acc, pf, pfn); \
+    else if (C < 4) block(xb, K, R, wt, C, acc, pf, pfn);           \
     else switch (R) {                                               \
         case 5: block(xb, K, 5, wt, 4, acc, pf, pfn); break;        \
         case 4: block(xb, K, 4, wt, 4, acc, pf, pfn); break;        \
@@ -737,16 +738,30 @@ static void bf16_to_f32_for(const uint16_t *x, float *xf, int64_t n) {
 
 /* The items of one bf16 GEMM, shared out by an orphaned `omp for` (bf16_mm's region, or
  * forward_bf16's). xf: x as float32 for the FMA form (dp == 0), unused by the dp form. */
+/* Tiles per unit at one row block: 4, or 2 where 4-tile units split unevenly over the team.
+ * There each unit is read once from memory, so a thread's share of the units is its share of the
+ * op's time; the 36-tile O and down projections of SmolLM2 are 9 units, 5 + 4 over two threads
+ * (the op takes 5/4.5 of an even split), and 2-tile units make it 9 + 9. Same bits: each tile's
+ * accumulators are its own whatever the unit (the 4-tile unit pays off across row blocks, where
+ * a unit is re-read from cache, so more rows keep it). */
+static inline int64_t bf_unit_tiles(int64_t NT, int64_t RB) {
+    if (RB > 1) return 4;
+    const int64_t team = omp_get_num_threads();
+    const int64_t n4 = (NT + 3) / 4, n2 = (NT + 1) / 2;
+    const int64_t max4 = (n4 + team - 1) / team * 4, max2 = (n2 + team - 1) / team * 2;
+    return max2 < max4 ? 2 : 4;
+}
+
 static void bf16_mm_items(const uint16_t *x, const float *xf, int64_t rows, int64_t K, const uint16_t *w,
                           int64_t N, const uint16_t *bias, void *y, int out_f32, int dp) {
     const int64_t BR = bf_rows(dp);
-    const int64_t NT = N / 16, NU = (NT + 3) / 4, RB = (rows + BR - 1) / BR;
-    /* one item per (4-tile unit, row block), unit-major: a thread's contiguous share re-reads
+    const int64_t NT = N / 16, RB = (rows + BR - 1) / BR, U = bf_unit_tiles(NT, RB), NU = (NT + U - 1) / U;
+    /* one item per (unit of U tiles, row block), unit-major: a thread's contiguous share re-reads
      * a unit's weights from its own cache across row blocks, and 9 units still split evenly */
     #pragma omp for schedule(static)
     for (int64_t it = 0; it < NU * RB; it++) {
-        const int64_t t0 = 4 * (it / RB), r0 = BR * (it % RB);
-        const int C = NT - t0 < 4 ? (int)(NT - t0) : 4;
+        const int64_t t0 = U * (it / RB), r0 = BR * (it % RB);
+        const int C = NT - t0 < U ? (int)(NT - t0) : (int)U;
         const int R = rows - r0 < BR ? (int)(rows - r0) : (int)BR;
         const uint16_t *wt = w + t0 * 16 * K;
         /* the next unit's weights come from DRAM: its tiles are fetched into L2 while this unit's
@@ -824,9 +839,20 @@ KERNEL(int, forward_bf16_supports, int64_t H, int64_t KVH, int64_t hd) {
 
 #if defined(__AVX512F__)   /* dp form where the CPU has AVX512-BF16, else the FMA form (kernels.py) */
 #define PTR(t, v) ((t)(intptr_t)(v))
-static inline void mm_in_region(const uint16_t *x, float *xf, int64_t M, int64_t K, int64_t w, int64_t N,
-                                int64_t bias, uint16_t *y, int dp) {
-    if (!dp) bf16_to_f32_for(x, xf, M * K);
+/* Up to XP_ROWS rows, each thread widens x into its own buffer xp (a few KB, exact either way)
+ * instead of the team sharing the work out: that `omp for` ended in a barrier, one per GEMM, 120
+ * a one-row step, for 576-1,536 values a thread converts in well under a microsecond. */
+#define XP_ROWS 4
+static inline void mm_in_region(const uint16_t *x, float *xf, float *xp, int64_t M, int64_t K, int64_t w,
+                                int64_t N, int64_t bias, uint16_t *y, int dp) {
+    if (!dp && M <= XP_ROWS) {
+        for (int64_t i = 0; i < M * K; i += 16) {
+            if (i + 16 <= M * K) _mm512_storeu_ps(xp + i, v_bf2f(x + i));
+            else for (int64_t j = i; j < M * K; j++) xp[j] = bf2f(x[j]);
+        }
+        xf = xp;
+    }
+    else if (!dp) bf16_to_f32_for(x, xf, M * K);
     bf16_mm_items(x, xf, M, K, PTR(const uint16_t *, w), N, PTR(const uint16_t *, bias), y, 0, dp);
 }
 
@@ -860,6 +886,8 @@ KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t
     #pragma omp parallel
     {
         float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(H / KVH * npad + 16));
+        const int64_t kmax = (D > I ? D : I) > H * hd ? (D > I ? D : I) : H * hd;
+        float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(XP_ROWS * kmax + 16));
         const int me = omp_get_thread_num(), team = omp_get_num_threads();
         const int look = probe >= 0 && me < LOOK_THREADS;
         if (look) cpu_then[me] = thread_cpu();
@@ -893,7 +921,7 @@ KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t
             uint16_t *pl = pool + l * layer_elems;
             switch (b % FWD_STAGES) {   /* each op ends with its `omp for`'s barrier */
             case FS_QKV:
-                mm_in_region(h, xf, M, D, p[LW_QKV], W, p[LW_QKV_B], qkv, dp);
+                mm_in_region(h, xf, xp, M, D, p[LW_QKV], W, p[LW_QKV_B], qkv, dp);
                 LORA(LL_QKV, h, D, qkv, W);
                 break;
             case FS_ROPE:
@@ -904,7 +932,7 @@ KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t
                 attention_items_bf16(sc, npad, qkv, W, pl, cap1, att, M, H, KVH, hd, slot_tab, off, ctx, scale);
                 break;
             case FS_O:
-                mm_in_region(att, xf, M, H * hd, p[LW_O], D, 0, tmp, dp);
+                mm_in_region(att, xf, xp, M, H * hd, p[LW_O], D, 0, tmp, dp);
                 LORA(LL_O, att, H * hd, tmp, D);
                 break;
             case FS_LN2:
@@ -913,7 +941,7 @@ KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t
                     rmsnorm_row_bf16(r, x, tmp, x, PTR(const uint16_t *, p[LW_LN2]), h, D, eps);
                 break;
             case FS_GU:
-                mm_in_region(h, xf, M, D, p[LW_GU], 2 * I, 0, gu, dp);
+                mm_in_region(h, xf, xp, M, D, p[LW_GU], 2 * I, 0, gu, dp);
                 LORA(LL_GU, h, D, gu, 2 * I);
                 break;
             case FS_SILU:
@@ -921,7 +949,7 @@ KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t
                 for (int64_t r = 0; r < M; r++) silu_mul_row_bf16(r, gu, act, I);
                 break;
             case FS_DOWN:
-                mm_in_region(act, xf, M, I, p[LW_DOWN], D, 0, tmp, dp);
+                mm_in_region(act, xf, xp, M, I, p[LW_DOWN], D, 0, tmp, dp);
                 LORA(LL_DOWN, act, I, tmp, D);
                 break;
             default: {  /* FS_LN1: the residual add, and the next layer's input norm (none after the last) */
@@ -932,6 +960,7 @@ KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t
             }
         }
         free(sc);
+        free(xp);
     }
 #undef LORA
     return next;
