@@ -117,6 +117,7 @@ def start_fleet(a, policy: str, out: Path):
             *[x for r in reps for x in ("--backend", r.url)]]
     if policy == "precise-prefix":
         gcmd += [x for s in specs for x in ("--kv-events", s)]
+        gcmd += [x for k in a.precise_knob for x in ("--policy-knob", k)]
     if policy == "cache-aware":
         # token-id prompts (sessions) are keyed by their ids, as in the simulator; chat text by characters
         gcmd += ["--policy-knob", "tokenizer_type=" + ("tokens" if a.workload == "sessions" else "character")]
@@ -346,6 +347,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--system-words", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--routers", default=None)
+    ap.add_argument("--precise-knob", action="append", default=[], metavar="K=V",
+                    help="a knob for precise-prefix's gateway (--policy-knob), e.g. pressure_weight=0.02")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--explain", action="store_true", help="split each router's distance to the bounds (sessions)")
     ap.add_argument("--out", default=str(ROOT / "out" / "fleet_gateway"))
