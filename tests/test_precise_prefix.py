@@ -159,13 +159,12 @@ def test_fleet_sim_replays_a_trace_file(tmp_path):
     assert bad.returncode == 2 and "neither sessions nor mooncake nor a file" in bad.stderr
 
 
-def test_the_gateway_run_replays_the_simulators_sessions_trace_scaled():
+def test_the_gateway_run_replays_the_simulators_sessions_trace_scaled(monkeypatch):
     # benchmarks/fleet_gateway.py plays fleet_sim.py's own sessions trace (the command it prints gives
     # the simulator the same requests on 3 replicas), and each turn it sends is the previous prompt,
     # the replica's answer (whatever its ids) and the trace's new tokens, as long as the trace's prompt
-    import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import fleet_gateway
     import fleet_sim
     g = fleet_gateway.parse(["--requests", "60"])
