@@ -2,7 +2,7 @@
 """Where one served stream's time per token goes: the engine's step beside the whole token, and
 the CPU that every process spends per token.
 
-    python benchmarks/one_stream_budget.py [--rounds 2] [--docs]
+    python benchmarks/one_stream_budget.py [--rounds 2] [--streams 1] [--docs]
 
 Starts `shepherd serve` (the defaults, optimistic admission as peers.py's shepherd-optimistic),
 warms it up, then runs peers.py's free-1 workload --rounds times: the official `openai` client,
@@ -13,7 +13,9 @@ own /metrics (shepherd:step_time_seconds: build input, forward, sample), what th
 beyond it (the scheduler, the core loop and its pipe, and every stall of the step's two threads
 while the server and the client take a core), and the CPU seconds per token of the server
 process (HTTP, detokenising, SSE), the engine-core process (its OpenMP threads spin at their
-barriers, so ~2x the wall) and this client. --docs writes the table into docs/SERVING.md
+barriers, so ~2x the wall) and this client. --streams N (N > 1) runs N requests at once per round
+instead (128 tokens each; "wall per decoded token" is then the wall per decode step, every stream's
+token together); the CPU columns stay per generated token. --docs writes the table into docs/SERVING.md
 (<!-- one-stream-budget -->).
 """
 from __future__ import annotations
@@ -60,19 +62,21 @@ def steps(url: str) -> tuple[float, float]:
     return m.get("shepherd:step_time_seconds_sum", 0.0), m.get("shepherd:step_time_seconds_count", 0.0)
 
 
-def one_round(url: str, server: int, core: list[int]) -> dict:
+def one_round(url: str, server: int, core: list[int], streams: int = 1) -> dict:
     c0 = {p: cpu_s(p) for p in [server, *core]}
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     s0 = steps(url)
-    res = asyncio.run(fixed_concurrency(url, NAME, questions(8), 1, 8, 128, {"ignore_eos": True}))
+    requests = 8 if streams == 1 else streams
+    groups = requests // streams            # requests that ran one after another per stream
+    res = asyncio.run(fixed_concurrency(url, NAME, questions(requests), streams, requests, 128, {"ignore_eos": True}))
     s1 = steps(url)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     c1 = {p: cpu_s(p) for p in c0}
     if res["errors"]:
         raise RuntimeError(f"{res['errors']} requests failed: {res['first_error']}")
     n = res["tokens"]
-    # the decode tokens' share of the wall: each request's first token came after its TTFT
-    decode_ms = (res["wall_s"] - 8 * res["ttft_p50"]) / (n - 8) * 1e3
+    # the decode steps' share of the wall: each request's first token came after its TTFT
+    decode_ms = (res["wall_s"] - groups * res["ttft_p50"]) / (n / streams - groups) * 1e3
     step_ms = (s1[0] - s0[0]) / max(1.0, s1[1] - s0[1]) * 1e3
     client = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
     return {"tok_s": res["tok_s"], "tpot": res["tpot_p50"] * 1e3, "token": decode_ms, "step": step_ms,
@@ -83,9 +87,12 @@ def one_round(url: str, server: int, core: list[int]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=1, help="requests in flight (N > 1: N requests a round)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
     ap.add_argument("--docs", action="store_true")
     a = ap.parse_args()
+    if a.docs and a.streams != 1:
+        ap.error("--docs writes the one-stream table: run it without --streams")
     port = free_port()
     cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--admission", "optimistic",
            "--served-model-name", NAME, "--log-level", "warning", *a.serve_arg]
@@ -97,7 +104,7 @@ def main() -> int:
         asyncio.run(fixed_concurrency(url, NAME, questions(2), 1, 2, 32, {"ignore_eos": True}))   # warm-up
         core = children(proc.pid)
         for _ in range(a.rounds):
-            rows.append(one_round(url, proc.pid, core))
+            rows.append(one_round(url, proc.pid, core, a.streams))
     finally:
         stop_server(proc)
     lines = ["| round | tok/s | TPOT p50, ms | wall per decoded token, ms | engine step (mean), ms | "
@@ -105,9 +112,10 @@ def main() -> int:
              "|---:|---:|---:|---:|---:|---:|---|"]
     for i, r in enumerate(rows, 1):
         lines.append(f"| {i} | {r['tok_s']:.1f} | {r['tpot']:.2f} | {r['token']:.2f} | {r['step']:.2f} | "
-                     f"{r['token'] - r['step']:.2f} | {r['server']:.2f} / {r['core']:.2f} / {r['client']:.2f} |")
+                     f"{r['token'] - r['step']:.2f} | {r['server']:.3f} / {r['core']:.2f} / {r['client']:.2f} |")
     lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs: "
-                  f"`python benchmarks/one_stream_budget.py --rounds {a.rounds}{' --docs' if a.docs else ''}`."]
+                  f"`python benchmarks/one_stream_budget.py --rounds {a.rounds}"
+                  f"{f' --streams {a.streams}' if a.streams != 1 else ''}{' --docs' if a.docs else ''}`."]
     text = "\n".join(lines)
     print(text)
     if a.docs:

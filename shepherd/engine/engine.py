@@ -40,7 +40,8 @@ from typing import Any, Callable, Optional
 from shepherd.config import EngineConfig
 from shepherd.engine.build import build_served_core
 from shepherd.engine.core_loop import (ABORT, ADD, FINISH, LORA_LOAD, LORA_UNLOAD, RESET_PREFIX_CACHE, SHUTDOWN,
-                                       WATCHDOG_EXIT_CODE, CoreInfo, CoreStep, run_loop, start_watchdog, watchdog_exit)
+                                       WATCHDOG_EXIT_CODE, CoreInfo, CoreStep, run_loop, start_watchdog,
+                                       stats_from_wire, watchdog_exit)
 from shepherd.engine.metrics import EngineMetrics
 from shepherd.engine.output import EngineOutput, OutputProcessor, RequestStream, answer_admission
 from shepherd.kv_events.hashing import BLOCK_SIZE
@@ -222,8 +223,8 @@ class EngineFront:
             else:
                 self.outputs.forget(rid)
                 answer_admission(stream, _admission_error(err))
-        self._stats = step.stats
-        m.update_from_stats(step.stats)
+        self._stats = stats_from_wire(step.stats)
+        m.update_from_stats(self._stats)
         if step.step_time is not None:
             m.steps.inc()
             m.step_time.observe(step.step_time)

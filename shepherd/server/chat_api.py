@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from shepherd.server import tools
-from shepherd.server.common import APIError, chat_logprobs, sse_chunk, usage_dict
+from shepherd.server.common import APIError, chat_logprobs, sse_chunker, usage_dict
 from shepherd.server.completions_api import sse_response
 from shepherd.server.engine_io import collect, sse_events, submit_all, until_disconnect
 from shepherd.server.protocol import ChatCompletionRequest
@@ -115,8 +115,7 @@ class ChatRoutes:
         call_ids = [tools.new_call_id() for _ in range(n)] if named else [{} for _ in range(n)]
         held = [""] * n
 
-        def chunk(choices, usage=None) -> str:
-            return sse_chunk("chat.completion.chunk", meta, meta["model"], body.include_usage, choices, usage)
+        chunk = sse_chunker("chat.completion.chunk", meta, meta["model"], body.include_usage)
 
         def on_output(i: int, out):
             if scans is not None:          # auto / required: calls found as the text comes

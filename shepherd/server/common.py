@@ -147,10 +147,25 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def sse_chunker(obj_type: str, meta: dict, model: str, include_usage: bool):
+    """`chunk(choices, usage=None) -> str`: the SSE `data:` events of one streamed completion or
+    chat completion. The id, object, created and model are the same in every event of a stream,
+    so they are JSON-encoded once here and each event encodes only its choices (and usage): the
+    bytes are exactly `json.dumps` of the whole event dict (same keys, order and separators)."""
+    head = (f'data: {{"id": {json.dumps(meta["rid"])}, "object": {json.dumps(obj_type)}, '
+            f'"created": {json.dumps(meta["created"])}, "model": {json.dumps(model)}, "choices": ')
+    dumps = json.dumps
+
+    if include_usage:
+        def chunk(choices: list, usage: Optional[dict] = None) -> str:
+            return f'{head}{dumps(choices)}, "usage": {dumps(usage)}}}\n\n'
+    else:
+        def chunk(choices: list, usage: Optional[dict] = None) -> str:
+            return f"{head}{dumps(choices)}}}\n\n"
+    return chunk
+
+
 def sse_chunk(obj_type: str, meta: dict, model: str, include_usage: bool, choices: list,
               usage: Optional[dict] = None) -> str:
     """One SSE `data:` event of a streamed completion or chat completion."""
-    c = {"id": meta["rid"], "object": obj_type, "created": meta["created"], "model": model, "choices": choices}
-    if include_usage:
-        c["usage"] = usage
-    return f"data: {json.dumps(c)}\n\n"
+    return sse_chunker(obj_type, meta, model, include_usage)(choices, usage)

@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from shepherd.server.common import (APIError, AbortingStreamingResponse, completion_logprobs, echo_logprobs,
-                                    sse_chunk, usage_dict, vllm_prompt_logprobs)
+                                    sse_chunker, usage_dict, vllm_prompt_logprobs)
 from shepherd.server.engine_io import collect, release, sse_events, submit_all, until_disconnect
 from shepherd.server.protocol import CompletionRequest
 
@@ -90,8 +90,7 @@ class CompletionRoutes:
         late = body.prompt_logprobs_n is not None
         first = [True] * len(echo)
 
-        def chunk(choices, usage=None) -> str:
-            return sse_chunk("text_completion", meta, meta["model"], body.include_usage, choices, usage)
+        chunk = sse_chunker("text_completion", meta, meta["model"], body.include_usage)
 
         def on_output(i: int, out):
             if not out.text and not out.finished and not out.logprobs and out.prompt_logprobs is None \
