@@ -625,3 +625,46 @@ def test_serve_answers_only_once_its_grammar_worker_is_up(tok):
                 "model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
                 "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
             assert r.status_code == 200, r.text
+
+
+def test_streamed_chunks_are_the_json_of_the_whole_event():
+    """sse_chunker encodes a stream's head once; a client must still read exactly json.dumps of the event."""
+    from shepherd.server.common import sse_chunker
+    meta = {"rid": 'chatcmpl-"é\\n', "created": 1700000000}
+    choices = [{"index": 0, "delta": {"content": 'a "quote", ünïcode \u2028 and \\'}, "finish_reason": None}]
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    for include_usage, u in ((False, None), (True, usage), (True, None)):
+        event = {"id": meta["rid"], "object": "chat.completion.chunk", "created": meta["created"],
+                 "model": "m/ß", "choices": choices}
+        if include_usage:
+            event["usage"] = u
+        got = sse_chunker("chat.completion.chunk", meta, "m/ß", include_usage)(choices, u)
+        assert got == f"data: {json.dumps(event)}\n\n"
+
+
+def test_scheduler_stats_cross_the_pipe_whole_and_metrics_follow_them_back_and_forth():
+    """The core sends SchedulerStats as a tuple; the front rebuilds every field, and /metrics shows
+    the latest value even when a field returns to an earlier one (metrics are set only on change)."""
+    import dataclasses
+    import pickle
+
+    from prometheus_client import generate_latest
+
+    from shepherd.engine.core_loop import stats_from_wire, stats_to_wire
+    from shepherd.engine.metrics import EngineMetrics
+    from shepherd.scheduler.state import SchedulerStats
+    st = SchedulerStats(step=7, num_waiting=3, kv_capacity=100, kv_used=40, new_token_ratio=0.25,
+                        running_lora_adapters="a,b", generated_tokens=9)
+    assert stats_from_wire(pickle.loads(pickle.dumps(stats_to_wire(st)))) == st
+    m = EngineMetrics("stats-wire-test")
+
+    def shown(name: str) -> float:
+        for line in generate_latest(m.registry).decode().splitlines():
+            if line.startswith(name + "{") and 'model_name="stats-wire-test"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} not exported")
+
+    for waiting, used in ((3, 40), (0, 0), (0, 0), (5, 60), (3, 40)):
+        m.update_from_stats(dataclasses.replace(st, num_waiting=waiting, kv_used=used))
+        assert shown("vllm:num_requests_waiting") == waiting
+        assert shown("vllm:kv_cache_usage_perc") == used / 100

@@ -164,8 +164,3 @@ def sse_chunker(obj_type: str, meta: dict, model: str, include_usage: bool):
             return f"{head}{dumps(choices)}}}\n\n"
     return chunk
 
-
-def sse_chunk(obj_type: str, meta: dict, model: str, include_usage: bool, choices: list,
-              usage: Optional[dict] = None) -> str:
-    """One SSE `data:` event of a streamed completion or chat completion."""
-    return sse_chunker(obj_type, meta, model, include_usage)(choices, usage)

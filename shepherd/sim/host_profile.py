@@ -18,7 +18,7 @@ timed alone:
                tuples, the stats snapshot) and pickling the CoreStep, as the pipe does
     front      unpickling the CoreStep, the front's metrics update, OutputProcessor.on_outputs
                (the real tokenizer's incremental detokenising, stop strings) and one SSE chunk
-               (server/common.sse_chunk) per output, as a completions stream writes it
+               (server/common.sse_chunker) per output, as a completions stream writes it
 
 The forward is timed too and left out: the GPU model prices it. Each part's samples are
 grouped by (requests, tokens), the median of each group kept, and fitted by least squares
@@ -81,11 +81,11 @@ def profile_host_path(served, batch_sizes=(1, 2, 4, 8, 16, 32, 64), prompt_lens=
 def _one_step(served, front: "_Front", sampler: "_SamplerHost", rec: "_Samples") -> None:
     """One step of the served core, its CoreStep through the pipe's pickling and the front:
     each part's time into `rec`."""
-    from shepherd.engine.core_loop import CoreStep
+    from shepherd.engine.core_loop import CoreStep, stats_to_wire
     t0 = time.perf_counter()
     outs, step_time, generated = served.step()
     t1 = time.perf_counter()
-    blob = pickle.dumps(CoreStep([], outs, served.last_stats, step_time, generated))
+    blob = pickle.dumps(CoreStep([], outs, stats_to_wire(served.last_stats), step_time, generated))
     t2 = time.perf_counter()
     n_outputs, n_deltas = front.handle(blob)
     t3 = time.perf_counter()
@@ -124,6 +124,8 @@ class _Front:
         self.loop = asyncio.new_event_loop()       # RequestStreams need one; nothing runs on it
         self.streams: dict = {}
         self.meta = {"rid": "cmpl-host-profile", "created": int(time.time()), "model": self.model}
+        from shepherd.server.common import sse_chunker
+        self.chunk = sse_chunker("text_completion", self.meta, self.model, False)   # one stream's, as the server's
 
     def track(self, req) -> None:
         from shepherd.engine.output import RequestStream
@@ -132,9 +134,9 @@ class _Front:
 
     def handle(self, blob: bytes) -> tuple[int, int]:
         """(outputs in the step, deltas streamed)."""
-        from shepherd.server.common import sse_chunk
+        from shepherd.engine.core_loop import stats_from_wire
         got = pickle.loads(blob)
-        self.metrics.update_from_stats(got.stats)
+        self.metrics.update_from_stats(stats_from_wire(got.stats))
         self.proc.on_outputs(got.outputs, time.monotonic())
         n = 0
         for o in got.outputs:
@@ -142,10 +144,9 @@ class _Front:
             while not q.empty():
                 out = q.get_nowait()
                 n += 1
-                sse_chunk("text_completion", self.meta, self.model, False,
-                          [{"index": 0, "text": out.text, "logprobs": None,
-                            "finish_reason": out.finish_reason if out.finished else None,
-                            "stop_reason": out.stop_reason}])
+                self.chunk([{"index": 0, "text": out.text, "logprobs": None,
+                             "finish_reason": out.finish_reason if out.finished else None,
+                             "stop_reason": out.stop_reason}])
                 if out.finished:
                     del self.streams[o[0]]
         return len(got.outputs), n
