@@ -47,39 +47,14 @@ def build_base(rev: str) -> str:
 
 
 def one_run(ex, libs: dict, rows: int, steps: int, run: int) -> dict:
-    from step_time import prompts
-    from shepherd.request import Request, RequestState, SamplingParams
-    from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq
-    warm, total = 20, steps + 20
-    reqs, slot = [], 0
-    for i, p in enumerate(prompts(ex.tokenizer, rows, 128)):
-        r = Request(req_id=f"ab{run}-{i}", prompt_ids=p,
-                    params=SamplingParams(max_tokens=total + 8, temperature=0.0, ignore_eos=True))
-        r.slots = list(range(slot, slot + len(p) + total + 8))
-        slot += len(r.slots)
-        r.state = RequestState.RUNNING
-        reqs.append(r)
-    res = ex.execute(ScheduledBatch(step=0, new=[NewRequest(r.req_id, r.prompt_ids, r.params) for r in reqs],
-                                    seqs=[ScheduledSeq(r.req_id, r.prompt_ids, 0, True, 0, list(r.slots)) for r in reqs]))
-    for r in reqs:
-        r.output_ids.append(res.tokens[r.req_id][0])
+    from step_time import decode_turns
     kern = ex.model.kernels
-    seq: list[tuple[str, float]] = []
-    for s in range(total):
-        side = "AB"[s % 2]
+
+    def use(side: str) -> None:
         kern.lib = libs[side]
-        seqs = [ScheduledSeq(r.req_id, [r.output_ids[-1]], r.num_tokens - 1, True, len(r.slots)) for r in reqs]
-        t0 = time.perf_counter()
-        res = ex.execute(ScheduledBatch(step=s + 1, seqs=seqs))
-        dt = time.perf_counter() - t0
-        if s >= warm:
-            seq.append((side, dt))
-        for r in reqs:
-            r.output_ids.append(res.tokens[r.req_id][0])
+
+    seq = [(side, dt) for side, dt, _ in decode_turns(ex, rows, 128, ["A", "B"], use, steps // 2, 10, f"ab{run}")]
     kern.lib = libs["B"]
-    for r in reqs:
-        r.state = RequestState.FINISHED
-    ex.execute(ScheduledBatch(step=0, finished=[r.req_id for r in reqs]))
     a = [dt for side, dt in seq if side == "A"]
     b = [dt for side, dt in seq if side == "B"]
     paired = [seq[i][1] / ((seq[i - 1][1] + seq[i + 1][1]) / 2) for i in range(1, len(seq) - 1) if seq[i][0] == "B"]

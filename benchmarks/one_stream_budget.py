@@ -36,25 +36,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _openai_client import fixed_concurrency, questions  # noqa: E402
+from _openai_client import children, fixed_concurrency, questions  # noqa: E402
+from proc_sampler import cpu_io  # noqa: E402
 from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
 from shepherd.bench.metrics_poll import parse_prometheus  # noqa: E402
 
 NAME = "smollm2-135m"
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        v = f.read().rsplit(")", 1)[1].split()
-    return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
 
 
 def steps(url: str) -> tuple[float, float]:
@@ -63,7 +50,7 @@ def steps(url: str) -> tuple[float, float]:
 
 
 def one_round(url: str, server: int, core: list[int], streams: int = 1) -> dict:
-    c0 = {p: cpu_s(p) for p in [server, *core]}
+    c0 = {p: cpu_io(p)[0] for p in [server, *core]}
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     s0 = steps(url)
     requests = 8 if streams == 1 else streams
@@ -71,7 +58,7 @@ def one_round(url: str, server: int, core: list[int], streams: int = 1) -> dict:
     res = asyncio.run(fixed_concurrency(url, NAME, questions(requests), streams, requests, 128, {"ignore_eos": True}))
     s1 = steps(url)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    c1 = {p: cpu_s(p) for p in c0}
+    c1 = {p: cpu_io(p)[0] for p in c0}
     if res["errors"]:
         raise RuntimeError(f"{res['errors']} requests failed: {res['first_error']}")
     n = res["tokens"]

@@ -90,14 +90,19 @@ def prompts(tok, n, ctx):
     return out
 
 
-def time_decode(ex, n, args):
-    from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq
+def decode_turns(ex, n: int, ctx: int, variants: list, apply, steps: int, warmup: int, tag: str) -> list:
+    """Prefill `n` prompts of `ctx` tokens, then decode them, the `variants` taking turns step by
+    step (`apply(v)` before each of v's steps), so that a slow spell of the machine falls on all of
+    them alike: [(variant, wall s, thread CPU s)] of the timed steps in order, after `warmup` steps
+    of each. Used by time_decode (between-layer hooks) and kernel_ab.py (kernel builds)."""
     from shepherd.request import Request, RequestState, SamplingParams
+    from shepherd.step import NewRequest, ScheduledBatch, ScheduledSeq
+    total = (steps + warmup) * len(variants)
     reqs, slot = [], 0
-    for i, p in enumerate(prompts(ex.tokenizer, n, args.ctx)):
-        r = Request(req_id=f"st{n}-{i}", prompt_ids=p,
-                    params=SamplingParams(max_tokens=decode_steps(args) + 8, temperature=0.0, ignore_eos=True))
-        r.slots = list(range(slot, slot + len(p) + decode_steps(args) + 8))
+    for i, p in enumerate(prompts(ex.tokenizer, n, ctx)):
+        r = Request(req_id=f"{tag}-{i}", prompt_ids=p,
+                    params=SamplingParams(max_tokens=total + 8, temperature=0.0, ignore_eos=True))
+        r.slots = list(range(slot, slot + len(p) + total + 8))
         slot += len(r.slots)
         r.state = RequestState.RUNNING
         reqs.append(r)
@@ -107,27 +112,30 @@ def time_decode(ex, n, args):
         res = ex.execute(ScheduledBatch(step=0, new=new, seqs=seqs))
         for r in reqs[k:k + 8]:
             r.output_ids.append(res.tokens[r.req_id][0])
-    # the --watch variants take turns step by step, so that a slow spell of the machine falls on
-    # all of them alike; each gets --steps timed steps
-    times = {w: [] for w in args.watch}
-    cpu = {w: [] for w in args.watch}
-    for s in range(decode_steps(args)):
-        w = args.watch[s % len(args.watch)]
-        ex.watch_layers(args.hooks[w])
+    out = []
+    for s in range(total):
+        v = variants[s % len(variants)]
+        apply(v)
         seqs = [ScheduledSeq(r.req_id, [r.output_ids[-1]], r.num_tokens - 1, True, len(r.slots)) for r in reqs]
         t0, c0 = time.perf_counter(), time.thread_time()
         res = ex.execute(ScheduledBatch(step=s + 1, seqs=seqs))
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
-        if s >= args.warmup * len(args.watch):
-            times[w].append(dt)
-            cpu[w].append(dc)
+        if s >= warmup * len(variants):
+            out.append((v, dt, dc))
         for r in reqs:
             r.output_ids.append(res.tokens[r.req_id][0])
-    ex.watch_layers(None)
     for r in reqs:
         r.state = RequestState.FINISHED
     ex.execute(ScheduledBatch(step=0, finished=[r.req_id for r in reqs]))
-    return {w: (statistics.median(times[w]) * 1000, statistics.median(cpu[w]) * 1000) for w in args.watch}
+    return out
+
+
+def time_decode(ex, n, args):
+    seq = decode_turns(ex, n, args.ctx, args.watch, lambda w: ex.watch_layers(args.hooks[w]),
+                       args.steps, args.warmup, f"st{n}")
+    ex.watch_layers(None)
+    return {w: (statistics.median(dt for v, dt, _ in seq if v == w) * 1000,
+                statistics.median(dc for v, _, dc in seq if v == w) * 1000) for w in args.watch}
 
 
 def time_gemms(ex, n, args):
