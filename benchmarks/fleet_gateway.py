@@ -50,7 +50,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -247,11 +246,13 @@ def session_bounds(trace: list, records: list, capacity: int) -> dict:
 
 
 def sim_records(trace: list, records: list, replicas: list) -> list:
-    """The run's records in the shape fleet_sim.explain reads (req_id, ok, finish, cached_tokens, replica)."""
+    """The run's records as the simulator's RequestRecords, which fleet_sim.explain reads."""
+    from shepherd.bench.records import RequestRecord
     from shepherd.sim.simulator import request_id
     index = {u: k for k, u in enumerate(replicas)}
-    return [SimpleNamespace(req_id=request_id(tr, i), ok=True, finish=r["finish"], cached_tokens=r["cached"],
-                            replica=index.get(r["backend"], -1)) for i, (tr, r) in enumerate(zip(trace, records))]
+    return [RequestRecord(req_id=request_id(tr, i), arrival=r["sent"], prompt_tokens=r["prompt"],
+                          output_tokens=r["output"], finish=r["finish"], cached_tokens=r["cached"],
+                          replica=index.get(r["backend"], -1)) for i, (tr, r) in enumerate(zip(trace, records))]
 
 
 def run_router(a, policy: str, out: Path, trace, systems, plan) -> dict:
