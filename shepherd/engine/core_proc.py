@@ -24,28 +24,52 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
+import select
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class PipeRecv:
-    """core_loop.run_loop's recv over a Connection: every message waiting, each a list of intake items."""
+    """core_loop.run_loop's recv over a Connection: every message waiting, each a list of intake items.
+
+    The loop asks with timeout 0 once per step while it has work: that check is a poll object's
+    poll(0) on the socket (a readable or hung-up socket counts, as for Connection.poll), not
+    Connection.poll(0), which builds a selector and registers the socket on every call (one
+    stream's step, cold after the forward: benchmarks/core_loop_cost.py)."""
 
     def __init__(self, conn):
         self.conn = conn
+        self._ready = select.poll()
+        self._ready.register(conn.fileno(), select.POLLIN)
 
     def __call__(self, timeout: Optional[float]) -> list:
         conn = self.conn
         if timeout is None or timeout > 0:
             conn.poll(timeout)
         items: list = []
-        while conn.poll(0):
+        while self._ready.poll(0):
             items.extend(conn.recv())     # EOFError when the server is gone
         return items
+
+
+def pipe_send(conn, tick: Optional[Callable[[], None]] = None) -> Callable[[object], None]:
+    """core_loop.run_loop's send over a Connection, then `tick` (the thread governor's, once per
+    step). The bytes are Connection.send's (ForkingPickler.dumps gives pickle.dumps's bytes for
+    a CoreStep, which holds only tuples, lists, numbers, strings and None), without the copy of
+    copyreg's dispatch table that ForkingPickler makes on every call."""
+    send_bytes, dumps = conn.send_bytes, pickle.dumps
+    if tick is None:
+        return lambda msg: send_bytes(dumps(msg))
+
+    def send(msg) -> None:
+        send_bytes(dumps(msg))
+        tick()
+    return send
 
 
 def pin(cpus: Optional[list[int]], num_threads: Optional[int]) -> None:
@@ -134,13 +158,8 @@ def governor(cfg, threads: int):
 def _serve(served, conn, log, gov=None) -> bool:
     """Run the engine loop until shutdown; False if it crashed."""
     from shepherd.engine.core_loop import run_loop
-    send = conn.send
-    if gov is not None:
-        def send(msg, _send=conn.send, _tick=gov.tick):    # once per step: the loop's own message
-            _send(msg)
-            _tick()
     try:
-        run_loop(served, PipeRecv(conn), send)
+        run_loop(served, PipeRecv(conn), pipe_send(conn, None if gov is None else gov.tick))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("server went away; engine core exits")
     except BaseException as e:  # noqa: BLE001
