@@ -4,6 +4,7 @@ prompt was chunked. Driven by a tiny synchronous loop of its own (no scheduler)
 so that the batch shapes are controlled exactly: staggered arrivals make
 prefill chunks and decodes of other requests share forwards, and KV slots are
 scattered over the pool."""
+import os
 import random
 
 import pytest
@@ -201,7 +202,7 @@ def test_governor_looks_between_layers_of_every_path(ex, prompts):
         pytest.skip("one CPU: the governor has nothing to govern")
     n, stack = len(ex.model.layers), ex.one_call_stack()
     for least in (2.0, 0.0):
-        gov = ThreadGovernor(full, torch.set_num_threads, probe=0.0, sharp=1.0, least=least)
+        gov = ThreadGovernor(full, torch.set_num_threads, probe=0.0, sharp=1.0, least=least, stretch=0.0)
         seen, looks = [], []
 
         def hook(layer, look):
@@ -221,6 +222,61 @@ def test_governor_looks_between_layers_of_every_path(ex, prompts):
             assert all(0 <= lk.least <= lk.cpus <= full + 0.1 and lk.wall >= 0 for lk in got)
         else:
             assert looks == [None] * len(seen)
+
+
+def test_governor_drops_in_a_one_row_step_whose_ops_stretch(ex, prompts, alone):
+    """The thread governor's stretch rule (engine/threads.py) on the one-call stack: the partner
+    thread pinned to a CPU that a busy process holds (the main thread alone on the other), ops
+    of a one-row decode step take a scheduler slice instead of 0.02-0.4 ms; the stack looks at
+    the next op boundary after each (kernels.c forward_bf16) and the governor drops to one thread
+    at the second. Its 10 ms looks are set to 1 s here, so the two-look rule never looks within
+    a step: the drop is the stretch rule's, in a decode step (the prefill, of more rows than
+    `stretch_rows`, is not watched so). The tokens stay those of the unwatched run."""
+    import subprocess
+    import sys
+    import threading
+
+    from shepherd.engine.threads import ThreadGovernor
+    cpus = sorted(os.sched_getaffinity(0))
+    if not ex.one_call_stack() or torch.get_num_threads() < 2 or len(cpus) < 2:
+        pytest.skip("the stretch rule watches the one-call stack at two threads or more")
+    full, main = torch.get_num_threads(), threading.get_native_id()
+    gov = ThreadGovernor(full, torch.set_num_threads, probe=1.0, recheck=1e3, stretch=0.004, stretch_rows=8)
+    steps, drops = [], []
+
+    def hook(layer, look):
+        if layer == 0 and look is None:
+            steps.append(gov.threads)
+        before = gov.mid_step_drops
+        watch = gov.between_layers(layer, look)
+        if gov.mid_step_drops > before:
+            drops.append((len(steps), look))
+        return watch
+    torch.set_num_threads(full)
+    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpus[1]}}})\n"
+                            "print('spinning', flush=True)\nwhile True: pass"], stdout=subprocess.PIPE, text=True)
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    try:
+        assert hog.stdout.readline().strip() == "spinning"
+        for t in tids:     # OpenMP's workers (and any other helper thread) beside the hog
+            try:
+                os.sched_setaffinity(t, {cpus[0]} if t == main else {cpus[1]})
+            except OSError:
+                pass        # the thread ended meanwhile
+        got = _run_watched(ex, hook, prompts[:1], seed=12)
+    finally:
+        hog.kill()
+        hog.wait()
+        for t in tids:
+            try:
+                os.sched_setaffinity(t, set(cpus))
+            except OSError:
+                pass
+    assert got == alone[:1]
+    assert gov.mid_step_drops == 1 and len(drops) == 1
+    step, look = drops[0]
+    assert step >= 2 and steps[:step] == [full] * step      # a decode step (the prefill is step 1)
+    assert look.op >= 0.004 and (1 - look.least) * look.wall >= 0.002
 
 
 @pytest.mark.parametrize("page", [1, 16])

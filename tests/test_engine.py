@@ -672,7 +672,8 @@ def test_thread_governor_on_the_one_call_stack_returns_only_at_short_looks():
         return tuple(main)
 
     gov = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
-                         probe=0.01, sharp=0.49, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)))
+                         probe=0.01, sharp=0.49, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)),
+                         stretch=0.0)    # the two-look rule alone (the stretch rule: the next test)
     reads.clear()
     quiet = StackWatch(0.01, 0.65)
     assert gov.between_layers(0) == quiet and reads == []            # a quiet forward: one call, no /proc
@@ -688,3 +689,51 @@ def test_thread_governor_on_the_one_call_stack_returns_only_at_short_looks():
     assert look(9, 0.02, 0.3, 0.5) == StackWatch(0.01)
     assert look(11, 0.02, 0.4, 0.3) == StackWatch(0.01) and calls == []         # waiting 30 %: below sharp
     assert look(13, 0.02, 0.35, 0.55) == StackWatch(0.1) and calls == [1] and gov.mid_step_drops == 1
+
+
+def test_thread_governor_drops_at_the_second_stretched_op():
+    """The stretch rule (engine/threads.py): the governor's watch asks the stack to look right
+    after an op that took `stretch` s or more in a forward of at most `stretch_rows` rows
+    (kernels.StackWatch); the second such look (StackLook.op: the longest op since the last look)
+    within `pair` s where a thread lost at least half of `stretch` of CPU drops to one thread at
+    once, without /proc's run-queue waits. One alone goes on; an op that long in which no thread
+    lost the CPU (every thread ran: not another process), or an op under `stretch`, is no
+    stretch look (a short one takes the two-look road)."""
+    from shepherd.engine.threads import ThreadGovernor
+    from shepherd.model.kernels import StackLook, StackWatch
+    now, reads, calls = [0.0], [], []
+
+    def times():
+        reads.append(now[0])
+        return (0, 0)
+
+    gov = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
+                         probe=0.01, sharp=0.49, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)),
+                         stretch=0.004, stretch_rows=8, pair=0.05)
+    reads.clear()
+    quiet = StackWatch(0.01, 0.65, 0.004, 8)
+    assert gov.between_layers(0) == quiet and reads == []
+
+    def look(layer, dt, least, op):
+        now[0] += dt
+        return gov.between_layers(layer, StackLook(least=least, cpus=1 + least, wall=dt, op=op))
+    # a 6 ms op, every thread on its CPU throughout (lost 0.6 ms of 6): no drop, and not short
+    assert look(2, 0.006, 0.9, 0.006) == quiet and calls == [] and reads == []
+    # a 3 ms op (under `stretch`) in a short look: the two-look road (the next look whatever)
+    assert look(4, 0.008, 0.5, 0.003) == StackWatch(0.01, None, 0.004, 8) and calls == [] and len(reads) == 1
+    assert look(6, 0.01, 0.95, 0.0002) == quiet and calls == []
+    # a 5 ms op in which a thread lost 4.5 ms of CPU: a stretch look, the first (a short look too)
+    assert look(8, 0.009, 0.5, 0.005) == StackWatch(0.01, None, 0.004, 8) and calls == [] and len(reads) == 2
+    assert look(9, 0.001, 0.9, 0.0001) == quiet
+    # the next one 60 ms later (over `pair`): the first of a new pair
+    assert look(10, 0.06, 0.9, 0.008) == quiet and calls == []
+    # and a second within 50 ms: one thread at once, /proc read only for the way back
+    assert look(12, 0.02, 0.7, 0.006) == StackWatch(0.1) and calls == [1] and gov.mid_step_drops == 1
+    assert len(reads) == 3
+    # stretch 0: no stretch looks asked for, and a look's op is never read
+    off = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
+                         probe=0.01, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)), stretch=0.0)
+    assert off.between_layers(0) == StackWatch(0.01, 0.65)
+    now[0] += 0.01
+    assert off.between_layers(3, StackLook(least=0.3, cpus=1.3, wall=0.01, op=0.009)) == StackWatch(0.01)
+    assert calls == [1] and off.mid_step_drops == 0

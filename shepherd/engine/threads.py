@@ -67,6 +67,22 @@ it, and a drop it causes comes back at the next 0.1 s window with a CPU idle
 tok/s). SHEPHERD_GOVERNOR_MID_STEP=0 turns the mid-step rule off
 (engine/core_proc.py mid_step_rule).
 
+The stretch rule, in steps of at most `stretch_rows` (8) rows: under the stall attacks the
+10 ms looks came 13-28 ms apart, so a one-row step ran at two threads for 42-73 ms beside the
+attacker before the second look dropped one (docs/SERVING.md "Where the gap goes"). At a few
+rows an op takes 0.02-0.4 ms (a temporary probe timing every op of the stack, in process at 1-8
+rows and in a served quiet stream), and a thread taken off its CPU stretches the op it is in to
+a scheduler slice: the first such op of each refused attack's gap took 3.2-12.1 ms. So the
+stack also looks at the op boundary right after an op of `stretch` (4 ms) or more and returns
+there (kernels.StackWatch.stretch, StackLook.op), and the second such look within `pair`
+(50 ms) in which a thread lost at least half of `stretch` of CPU drops to one thread at once,
+with no /proc read before it. One such look is not enough: a served quiet stream had an op of
+3.2 ms or more in ~1 % of its steps (bursts of other processes, some once a second), and a
+variant dropping at one look had 7 and 12 drops in a quiet `one_stream_budget.py --rounds 3`
+(0 before) and 2.6 % fewer tok/s; the attacks stretch op after op. A step of more rows never
+looks so (64 rows: ops of 0.4-26 ms quiet), and the 64-stream reason for two 10 ms looks holds
+there.
+
 Measured wait shares: 7-8 % beside one busy process when the kernel placed
 it well (the request then took 1.7x its quiet time at two threads), 39-52 %
 beside two (one thread: 1.6x instead of 2.9x). The openai client of 64 local
@@ -131,9 +147,12 @@ class ThreadGovernor:
                  contended: float = 0.35, free: float = 0.5, clock: Callable[[], float] = time.monotonic,
                  probe: float = 0.01, sharp: float = 0.49, cpu_clock: Callable[[], float] = time.process_time,
                  times: Optional[Callable[[], Optional[tuple[int, int]]]] = None, least: float = 0.65,
-                 recheck: float = 0.1, idle: Optional[Callable[[set], Optional[tuple[int, int]]]] = None):
+                 recheck: float = 0.1, idle: Optional[Callable[[set], Optional[tuple[int, int]]]] = None,
+                 stretch: float = 0.004, stretch_rows: int = 8, pair: float = 0.05):
         self.max_threads, self.set_threads = max_threads, set_threads
         self.least, self.recheck = least, recheck
+        self.stretch, self.stretch_rows, self.pair = stretch, stretch_rows, pair
+        self._stretched_at = -float("inf")     # the clock at the last stretch look
         self._idle_fn = idle or cpu_idle
         self._quick, self._dropped_at = False, 0.0   # after a mid-step drop: windows of `recheck` s
         self.window, self.contended, self.free, self.clock = window, contended, free, clock
@@ -226,6 +245,18 @@ class ThreadGovernor:
                 return self._watch(sched0 is not None)   # called early: the per-op paths call every layer
             cpu = self.cpu_clock()
             short = layer > 0 and (cpu - cpu0) / (now - t0) < self.threads * (1.0 - self.contended)
+        if look is not None and self.stretch > 0 and look.op >= self.stretch \
+                and (1.0 - look.least) * look.wall >= self.stretch / 2:
+            # an op of a small step (0.02-0.4 ms quiet) took `stretch` or more and a thread lost
+            # at least half that of CPU since the last look: a second such look within `pair` s
+            # drops at once, without the 10 ms looks' /proc test; one alone (a burst of a few ms
+            # from another process, about once a second on this machine) goes on
+            apart, self._stretched_at = now - self._stretched_at, now
+            if apart <= self.pair:
+                self._stretched_at = -float("inf")
+                return self._drop(now, self._times_fn(), f"a second op of {1e3 * look.op:.1f} ms {1e3 * apart:.0f} ms "
+                                  f"after the first, the least thread got {look.least:.2f} of the last "
+                                  f"{1e3 * look.wall:.0f} ms", look.cpus)
         sched = self._times_fn() if short else None
         self._look = (now, cpu, sched)
         if sched is None or sched0 is None:
@@ -242,10 +273,14 @@ class ThreadGovernor:
         if share <= self.sharp:
             return self._watch(True)
         cpus = look.cpus if look is not None else (cpu - cpu0) / (now - t0)
+        return self._drop(now, sched, f"over the last {1e3 * (now - t0):.0f} ms our threads waited "
+                          f"{100 * share:.0f}% of the time for a CPU", cpus)
+
+    def _drop(self, now: float, sched: Optional[tuple[int, int]], why: str, cpus: float) -> StackWatch:
+        """One thread, in the middle of a step; the short windows after it look for the way back."""
         self.mid_step_drops += 1
-        log.info("engine threads %d -> 1 in a step (the cores are shared: over the last %.0f ms our threads "
-                 "waited %.0f%% of the time for a CPU, the process got %.1f CPUs)", self.threads,
-                 1e3 * (now - t0), 100 * share, cpus)
+        log.info("engine threads %d -> 1 in a step (the cores are shared: %s, the process got %.1f CPUs)",
+                 self.threads, why, cpus)
         self.threads, self._streak = 1, 0
         self.set_threads(1)
         # the way back is measured in windows of `recheck` s, inside steps too, until one finds
@@ -259,7 +294,8 @@ class ThreadGovernor:
     def _watch(self, short: bool) -> StackWatch:
         """The stack's next watch: after a short look, return at the next look whatever it finds
         (two in a row); else only at a look where a thread got less than `least` of the wall."""
-        return StackWatch(self.probe, None if short else self.least)
+        return StackWatch(self.probe, None if short else self.least, self.stretch,
+                          self.stretch_rows if self.stretch > 0 else 0)
 
     def decide(self, wait_share: float, idle_cpus: float) -> None:
         """One window's figures: the share of time our threads waited for a CPU, and how many of

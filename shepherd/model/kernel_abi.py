@@ -95,7 +95,7 @@ KERNELS: tuple[Kernel, ...] = (
            "const int64_t *slot_tab, const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, "
            "float eps, int dp, const int64_t *lora, int64_t lora_slots, const int64_t *lrows, "
            "const int64_t *litems, const int64_t *lslot, int64_t nitems, float probe, float least, int stop, "
-           "float *seen)",
+           "float stretch, float *seen)",
            nullable=("lora", "lrows", "litems", "lslot", "seen"),
            guard="has_bf16_mm"),
     Kernel("has_w8_mm", "int(void)"),

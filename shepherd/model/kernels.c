@@ -828,6 +828,12 @@ KERNEL(void, bf16_mm, const uint16_t *x, int64_t rows, int64_t K, const uint16_t
  * when `stop` or when a thread got less than `least` of the wall: it was descheduled, another
  * process is on our cores. A quiet step so runs as one call; under contention, where one layer
  * took 30-92 ms (harden.md), the return comes within an op of the look, not at the layer's end.
+ * stretch > 0 (the governor sets it at a few rows, where an op takes 0.02-0.4 ms): an op whose
+ * wall time, boundary to boundary, was `stretch` s or more (a thread of the team was off its CPU
+ * inside it: the others waited for it at the op's closing barrier) makes the next boundary a look
+ * at once, and the call returns there whatever the look finds; seen[3] = the longest op since the
+ * last look, s (0 when stretch <= 0). Under the stall attacks the first such op came 3-12 ms long,
+ * 20-50 ms before the 10 ms looks' two-look rule dropped a thread (docs/SERVING.md).
  * probe < 0: no looks. */
 KERNEL(int, forward_bf16_supports, int64_t H, int64_t KVH, int64_t hd) {
 #if defined(__AVX512F__)
@@ -862,7 +868,7 @@ KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t
        uint16_t *pool, int64_t layer_elems, int64_t cap1, const int64_t *slots, const int64_t *slot_tab,
        const int64_t *off, const int64_t *ctx, int64_t max_ctx, float scale, float eps, int dp,
        const int64_t *lora, int64_t lora_slots, const int64_t *lrows, const int64_t *litems, const int64_t *lslot,
-       int64_t nitems, float probe, float least, int stop, float *seen) {
+       int64_t nitems, float probe, float least, int stop, float stretch, float *seen) {
 #if !defined(__AVX512BF16__)
     dp = 0;   /* as bf16_mm: there is no dp form in this build */
 #endif
@@ -874,9 +880,10 @@ KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t
      * the running slice; another thread's or the process's lags by up to a scheduler tick, 4 ms
      * at HZ=250, a third of a 10 ms look), a barrier publishes them, the master looks and
      * answers, and a second barrier publishes the answer: two barriers a look, none between.
-     * An unmarked boundary costs nothing but the master's wall clock read. */
+     * An unmarked boundary costs nothing but the master's wall clock read (which also times the
+     * op before it, for `stretch`). due: 1 a look after `probe` s, 2 a look after a stretched op. */
     double cpu_now[LOOK_THREADS], cpu_then[LOOK_THREADS];
-    double wall_then = bf_now();
+    double wall_then = bf_now(), op_then = wall_then, op_max = 0.0;
     int due[2] = {0, 0}, ret = 0;
     int64_t next = S;
     /* lora (NULL: no row of the step has an adapter): the records, [L][LL_N][lora_slots][LR_N];
@@ -907,15 +914,22 @@ KERNEL(int64_t, forward_bf16, int64_t s0, int64_t S, const int64_t *lw, uint16_t
                         cpu_then[t] = cpu_now[t];
                     }
                     wall_then = now;
-                    if (seen) seen[0] = (float)low, seen[1] = (float)sum, seen[2] = (float)wall;
-                    ret = stop || low < least;
+                    if (seen) seen[0] = (float)low, seen[1] = (float)sum, seen[2] = (float)wall, seen[3] = (float)op_max;
+                    op_max = 0.0;
+                    ret = stop || low < least || due[b & 1] == 2;
                     if (ret) next = b;
                 }
                 #pragma omp barrier
                 if (ret) break;
             }
             #pragma omp master
-            due[(b + 1) & 1] = probe >= 0 && bf_now() - wall_then >= probe;
+            if (probe >= 0) {
+                const double now = bf_now(), took = now - op_then;   /* op b - 1, and a look at b if any */
+                const int stretched = stretch > 0 && b > s0 && took >= stretch;
+                if (stretch > 0 && b > s0 && took > op_max) op_max = took;
+                op_then = now;
+                due[(b + 1) & 1] = stretched ? 2 : now - wall_then >= probe;
+            }
             const int64_t l = b / FWD_STAGES;
             const int64_t *p = lw + l * LW_N;
             uint16_t *pl = pool + l * layer_elems;

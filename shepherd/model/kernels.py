@@ -36,18 +36,24 @@ class StackWatch:
     """What the one-call layer stack (Kernels.layer_stack) watches for until it returns at an op
     boundary (between layers, or between the ops of one): a look every `probe` s (kernels.c forward_bf16: each thread's CPU time against the
     wall time since the last look); it returns at the first look when `least` is None (a time
-    budget), else at the first look where a thread got less than `least` of the wall."""
+    budget), else at the first look where a thread got less than `least` of the wall. In a
+    forward of at most `stretch_rows` rows, an op that took `stretch` s or more also makes the
+    next op boundary a look, and the stack returns there whatever it finds (0: no such looks)."""
     probe: float
     least: Optional[float] = None
+    stretch: float = 0.0
+    stretch_rows: int = 0
 
 
 @dataclass(frozen=True)
 class StackLook:
     """The look the stack returned at: the least share of the wall a thread of the team got as
-    CPU time, the team's CPUs (their sum), over `wall` s since the last look."""
+    CPU time, the team's CPUs (their sum), over `wall` s since the last look; `op`: the longest
+    op's wall time in that while, s, where the watch's stretch applied (else 0)."""
     least: float
     cpus: float
     wall: float
+    op: float = 0.0
 
 
 # the ops of one layer in the one-call stack: kernels.layer_stack counts in them, and can stop
@@ -265,7 +271,7 @@ class Kernels:
         e = lambda n: torch.empty((T, n), dtype=torch.bfloat16)
         dp = self.bf16_form == "dpbf16"
         xf = torch.empty(0 if dp else T * max(D, H * hd, I), dtype=torch.float32)
-        seen = torch.zeros(3, dtype=torch.float32)
+        seen = torch.zeros(4, dtype=torch.float32)
         call = functools.partial(
             self.lib.forward_bf16, lw=lw, x=x, h=h, qkv=e(W), att=e(H * hd), gu=e(2 * I), act=e(I), tmp=e(D), xf=xf,
             M=T, D=D, H=H, KVH=KVH, hd=hd, I=I, pos=pos, cos_t=cos, sin_t=sin, pool=kv_pool,
@@ -279,8 +285,9 @@ class Kernels:
 
         def run(a: int, b: int, watch: Optional[StackWatch]) -> tuple[int, Optional[StackLook]]:
             if watch is None:
-                return call(s0=a, S=b, probe=-1.0, least=0.0, stop=0), None
-            nxt = call(s0=a, S=b, probe=watch.probe, least=watch.least or 0.0, stop=int(watch.least is None))
+                return call(s0=a, S=b, probe=-1.0, least=0.0, stop=0, stretch=0.0), None
+            nxt = call(s0=a, S=b, probe=watch.probe, least=watch.least or 0.0, stop=int(watch.least is None),
+                       stretch=watch.stretch if T <= watch.stretch_rows else 0.0)
             return nxt, (StackLook(*seen.tolist()) if nxt < b else None)
         return run
 
