@@ -235,6 +235,11 @@ class Kernels:
         self.bf16_mm = dtype == torch.bfloat16 and bool(lib.has_bf16_mm())   # bf16 weights, fp32 sums
         self.bf16_form = bf16_form(lib) if self.bf16_mm else None
         self.w8 = dtype == torch.bfloat16 and bool(lib.has_w8_mm())          # int8 weights x bf16
+        # layer_stack's op scratch of the last forward's shape, kept for the next forward of that
+        # shape (every decode step of one stream): its seven allocations cost ~50 us a one-row step
+        # here, each torch call slow after the forward has streamed the weights through the caches
+        # (benchmarks/core_loop_cost.py). One forward at a time runs on a Kernels (its executor's).
+        self._stack_scratch: tuple = ((), ())
 
     def forward_supports(self, H: int, KVH: int, hd: int) -> bool:
         """Whether layer_stack (the layer stack in one call) runs this head shape here."""
@@ -260,20 +265,25 @@ class Kernels:
         or, with a StackWatch, only up to the first op boundary where its look says return; it
         returns the position it stopped before (b: all done) and that look (None when all done).
         x [T, D] is updated in place to the residual stream; h [T, D] holds rmsnorm(x) * ln1 of
-        layer a // STACK_OPS on entry at a layer's first op, and the op scratch (allocated here, once
-        per forward, not once per range) carries every other op's input from one call to the next,
+        layer a // STACK_OPS on entry at a layer's first op, and the op scratch (allocated here when the
+        shape changes, kept from one forward to the next, never per range) carries every other op's
+        input from one call to the next,
         so run(0, n, None) and runs over [0, a), [a, b), ..., [., n) give the same bits, whatever
         thread count each runs at (every op's items are computed whole by one thread).
         lw: layer_weights' table. lora: the LoRA records [L, linears, slots, fields] (model/lora.py)
         and lora_rows the step's LoraRows, or None (no row has an adapter)."""
         T, D = x.shape
         W = (H + 2 * KVH) * hd
-        e = lambda n: torch.empty((T, n), dtype=torch.bfloat16)
         dp = self.bf16_form == "dpbf16"
-        xf = torch.empty(0 if dp else T * max(D, H * hd, I), dtype=torch.float32)
-        seen = torch.zeros(4, dtype=torch.float32)
+        key = (T, D, W, H * hd, I, dp)
+        if self._stack_scratch[0] != key:     # the ops' inputs and outputs: written before they are read
+            e = lambda n: torch.empty((T, n), dtype=torch.bfloat16)
+            self._stack_scratch = (key, (e(W), e(H * hd), e(2 * I), e(I), e(D),
+                                         torch.empty(0 if dp else T * max(D, H * hd, I), dtype=torch.float32),
+                                         torch.zeros(4, dtype=torch.float32)))
+        qkv, att, gu, act, tmp, xf, seen = self._stack_scratch[1]
         call = functools.partial(
-            self.lib.forward_bf16, lw=lw, x=x, h=h, qkv=e(W), att=e(H * hd), gu=e(2 * I), act=e(I), tmp=e(D), xf=xf,
+            self.lib.forward_bf16, lw=lw, x=x, h=h, qkv=qkv, att=att, gu=gu, act=act, tmp=tmp, xf=xf,
             M=T, D=D, H=H, KVH=KVH, hd=hd, I=I, pos=pos, cos_t=cos, sin_t=sin, pool=kv_pool,
             layer_elems=kv_pool[0].numel(), cap1=kv_pool.shape[2], slots=slots, slot_tab=slot_tab,
             off=off, ctx=ctx, max_ctx=max_ctx, scale=scale, eps=eps, dp=int(dp),
