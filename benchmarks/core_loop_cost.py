@@ -224,6 +224,8 @@ def main() -> int:
     else:
         lines = ["| per decode step, one row, us (mean of each run) | this tree |", "|---|---:|"]
         lines += [f"| {k} | {runs('B', k)} |" for k in names]
+    med = lambda s: "/".join(f"{r['median']['outside']:.0f}" for r in res[s])
+    lines += ["", f"Outside, the median step of each run: {'A ' + med('A') + ', B ' if a.base else ''}{med('B')} us."]
     steps = res["B"][0]["steps"]
     lines += ["", f"{steps} decode steps a run. Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
                   f"{os.cpu_count()} CPUs: `python benchmarks/core_loop_cost.py"
