@@ -696,12 +696,13 @@ def test_thread_governor_drops_at_the_second_stretched_op():
     after an op that took `stretch` s or more in a forward of at most `stretch_rows` rows
     (kernels.StackWatch); the second such look (StackLook.op: the longest op since the last look)
     within `pair` s where a thread lost at least half of `stretch` of CPU drops to one thread at
-    once, without /proc's run-queue waits. One alone goes on; an op that long in which no thread
-    lost the CPU (every thread ran: not another process), or an op under `stretch`, is no
-    stretch look (a short one takes the two-look road)."""
+    once, without /proc's run-queue waits, and so does the first where a task besides the team's
+    threads is runnable at the look. One alone with nobody else runnable goes on; an op that long
+    in which no thread lost the CPU (every thread ran: not another process), or an op under
+    `stretch`, is no stretch look (a short one takes the two-look road)."""
     from shepherd.engine.threads import ThreadGovernor
     from shepherd.model.kernels import StackLook, StackWatch
-    now, reads, calls = [0.0], [], []
+    now, reads, calls, tasks = [0.0], [], [], [2]
 
     def times():
         reads.append(now[0])
@@ -709,7 +710,7 @@ def test_thread_governor_drops_at_the_second_stretched_op():
 
     gov = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
                          probe=0.01, sharp=0.49, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)),
-                         stretch=0.004, stretch_rows=8, pair=0.05)
+                         stretch=0.004, stretch_rows=8, pair=0.05, tasks=lambda: tasks[0])
     reads.clear()
     quiet = StackWatch(0.01, 0.65, 0.004, 8)
     assert gov.between_layers(0) == quiet and reads == []
@@ -730,10 +731,17 @@ def test_thread_governor_drops_at_the_second_stretched_op():
     # and a second within 50 ms: one thread at once, /proc read only for the way back
     assert look(12, 0.02, 0.7, 0.006) == StackWatch(0.1) and calls == [1] and gov.mid_step_drops == 1
     assert len(reads) == 3
+    # a first stretch look with a task besides the team's two runnable at it: one thread at once
+    gov = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
+                         probe=0.01, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)),
+                         stretch=0.004, stretch_rows=8, pair=0.05, tasks=lambda: tasks[0])
+    assert gov.between_layers(0) == quiet
+    tasks[0] = 3
+    assert look(3, 0.008, 0.4, 0.005) == StackWatch(0.1) and calls == [1, 1] and gov.mid_step_drops == 1
     # stretch 0: no stretch looks asked for, and a look's op is never read
     off = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
                          probe=0.01, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)), stretch=0.0)
     assert off.between_layers(0) == StackWatch(0.01, 0.65)
     now[0] += 0.01
     assert off.between_layers(3, StackLook(least=0.3, cpus=1.3, wall=0.01, op=0.009)) == StackWatch(0.01)
-    assert calls == [1] and off.mid_step_drops == 0
+    assert calls == [1, 1] and off.mid_step_drops == 0

@@ -70,18 +70,21 @@ tok/s). SHEPHERD_GOVERNOR_MID_STEP=0 turns the mid-step rule off
 The stretch rule, in steps of at most `stretch_rows` (8) rows: under the stall attacks the
 10 ms looks came 13-28 ms apart, so a one-row step ran at two threads for 42-73 ms beside the
 attacker before the second look dropped one (docs/SERVING.md "Where the gap goes"). At a few
-rows an op takes 0.02-0.4 ms (a temporary probe timing every op of the stack, in process at 1-8
-rows and in a served quiet stream), and a thread taken off its CPU stretches the op it is in to
-a scheduler slice: the first such op of each refused attack's gap took 3.2-12.1 ms. So the
-stack also looks at the op boundary right after an op of `stretch` (4 ms) or more and returns
-there (kernels.StackWatch.stretch, StackLook.op), and the second such look within `pair`
-(50 ms) in which a thread lost at least half of `stretch` of CPU drops to one thread at once,
-with no /proc read before it. One such look is not enough: a served quiet stream had an op of
-3.2 ms or more in ~1 % of its steps (bursts of other processes, some once a second), and a
-variant dropping at one look had 7 and 12 drops in a quiet `one_stream_budget.py --rounds 3`
-(0 before) and 2.6 % fewer tok/s; the attacks stretch op after op. A step of more rows never
-looks so (64 rows: ops of 0.4-26 ms quiet), and the 64-stream reason for two 10 ms looks holds
-there.
+rows an op takes 0.02-0.4 ms (a temporary probe timing every op of the stack: in process at 1-8
+rows, 23 of 99,291 ops took longer, 2 of 370 forwards had one of 3.2 ms or more), and a thread
+taken off its CPU stretches the op it is in to a scheduler slice: the first such op of each
+refused attack's gap took 3.2-12.1 ms. So the stack also looks at the op boundary right after
+an op of `stretch` (4 ms) or more and returns there (kernels.StackWatch.stretch, StackLook.op).
+At such a look in which a thread lost at least half of `stretch` of CPU, the governor drops to
+one thread at once when a task besides the team's threads is runnable right then (/proc/loadavg;
+the team's threads all run at a look, so another runnable task is one still wanting our CPUs:
+the attacking client was), or at the second such look within `pair` (50 ms); no /proc/self read
+before it. A stretched op alone is not enough: a served quiet stream had an op of 3.2 ms or
+more in 22 of 2,096 steps (bursts of other processes on the machine), and a variant dropping at
+every such look had 7 and 12 drops in a quiet `one_stream_budget.py --rounds 3` (0 and 0
+before) and 2.6 % fewer tok/s; with the runnable test, 1 and 2 drops in two such runs (before:
+0, 0, 2 and 0 in four). Waiting for the second alone dropped 20-27 ms after the first under the
+attacks: too late for 2x in about half the rows. A step of more rows never looks so: the 64-stream reason for two 10 ms looks holds there.
 
 Measured wait shares: 7-8 % beside one busy process when the kernel placed
 it well (the request then took 1.7x its quiet time at two threads), 39-52 %
@@ -122,6 +125,16 @@ def thread_times(exclude: set) -> Optional[tuple[int, int]]:
     return run, wait
 
 
+def runnable() -> Optional[int]:
+    """Tasks (threads) running or waiting for a CPU on the whole machine now (/proc/loadavg's
+    fourth field); None where the kernel does not say."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cpu_idle(cpus: set) -> Optional[tuple[int, int]]:
     """(idle, total) jiffies of `cpus` since boot (/proc/stat)."""
     idle = total = 0
@@ -148,11 +161,13 @@ class ThreadGovernor:
                  probe: float = 0.01, sharp: float = 0.49, cpu_clock: Callable[[], float] = time.process_time,
                  times: Optional[Callable[[], Optional[tuple[int, int]]]] = None, least: float = 0.65,
                  recheck: float = 0.1, idle: Optional[Callable[[set], Optional[tuple[int, int]]]] = None,
-                 stretch: float = 0.004, stretch_rows: int = 8, pair: float = 0.05):
+                 stretch: float = 0.004, stretch_rows: int = 8, pair: float = 0.05,
+                 tasks: Callable[[], Optional[int]] = runnable):
         self.max_threads, self.set_threads = max_threads, set_threads
         self.least, self.recheck = least, recheck
         self.stretch, self.stretch_rows, self.pair = stretch, stretch_rows, pair
         self._stretched_at = -float("inf")     # the clock at the last stretch look
+        self._tasks = tasks
         self._idle_fn = idle or cpu_idle
         self._quick, self._dropped_at = False, 0.0   # after a mid-step drop: windows of `recheck` s
         self.window, self.contended, self.free, self.clock = window, contended, free, clock
@@ -248,14 +263,19 @@ class ThreadGovernor:
         if look is not None and self.stretch > 0 and look.op >= self.stretch \
                 and (1.0 - look.least) * look.wall >= self.stretch / 2:
             # an op of a small step (0.02-0.4 ms quiet) took `stretch` or more and a thread lost
-            # at least half that of CPU since the last look: a second such look within `pair` s
-            # drops at once, without the 10 ms looks' /proc test; one alone (a burst of a few ms
-            # from another process, about once a second on this machine) goes on
+            # at least half that of CPU since the last look: one thread at once, without the 10 ms
+            # looks' /proc test, when another task is runnable now (it still wants our CPUs) or
+            # at the second such look within `pair` s; one alone, the other task done (a burst of
+            # a few ms from another process), goes on (the module doc: what each costs)
             apart, self._stretched_at = now - self._stretched_at, now
-            if apart <= self.pair:
+            others = self._tasks()
+            others = None if others is None else others - self.threads   # ours all run at a look
+            if apart <= self.pair or (others is not None and others > 0):
                 self._stretched_at = -float("inf")
-                return self._drop(now, self._times_fn(), f"a second op of {1e3 * look.op:.1f} ms {1e3 * apart:.0f} ms "
-                                  f"after the first, the least thread got {look.least:.2f} of the last "
+                why = (f"a second op of {1e3 * look.op:.1f} ms {1e3 * apart:.0f} ms after the first"
+                       if apart <= self.pair else f"an op of {1e3 * look.op:.1f} ms and {others} other task(s) "
+                       "runnable after it")
+                return self._drop(now, self._times_fn(), f"{why}, the least thread got {look.least:.2f} of the last "
                                   f"{1e3 * look.wall:.0f} ms", look.cpus)
         sched = self._times_fn() if short else None
         self._look = (now, cpu, sched)
