@@ -2,7 +2,7 @@
 """What one decode step of one stream costs the engine core outside the forward's two big
 kernels, part by part, in process; with --base, two checkouts taking turns (A B B A ...).
 
-    python benchmarks/core_loop_cost.py [--base REV] [--runs 2] [--requests 4] [--tokens 128] [--docs]
+    python benchmarks/core_loop_cost.py [--base REV | --base-tree DIR] [--runs 2] [--requests 4] [--tokens 128] [--docs]
 
 Each run is a fresh process that builds the core as `shepherd serve --admission optimistic`
 builds it (serve_cli.build_configs, engine/build.py, the thread governor's hook and its tick
@@ -20,10 +20,11 @@ wrapping the method that does it (a wrapper costs well under a microsecond); per
     and the parts of `outside`: recv, intake, schedule, build input, forward before the stack
     (embedding, first norm, the stack's scratch), LM head outside its GEMM (final norm, output
     tensor), sample, execute's rest, on_step, outputs, stats, step logger, send (pickle, write,
-    governor tick), the loop's rest.
+    governor tick), of which the governor's tick (engine/threads.py, once a step), the loop's rest.
 
 With --base REV the same is run on `git archive REV shepherd` (this script's code, that tree's
-shepherd/) and this tree alternately, each --runs times, and B - A is printed per part. --docs
+shepherd/) and this tree alternately, each --runs times, and B - A is printed per part (--base-tree:
+that folder's shepherd/ instead of a revision's). --docs
 writes the table into docs/SERVING.md (<!-- core-loop-cost -->).
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = ("recv", "intake", "schedule", "build input", "forward before the stack", "LM head outside its GEMM",
-         "sample", "execute's rest", "on_step", "outputs", "stats", "step logger", "send", "loop's rest")
+         "sample", "execute's rest", "on_step", "outputs", "stats", "step logger", "send", "governor tick",
+         "loop's rest")
 
 
 def worker(tree: str, requests: int, tokens: int) -> dict:
@@ -140,6 +142,8 @@ def worker(tree: str, requests: int, tokens: int) -> dict:
         acc["recv"] += time.perf_counter() - t0
         return items
 
+    if gov is not None:
+        wrap(gov, "tick", "governor tick")
     tick = None if gov is None else gov.tick
     if hasattr(core_proc, "pipe_send"):
         loop_send = core_proc.pipe_send(core_end, tick)
@@ -163,7 +167,7 @@ def worker(tree: str, requests: int, tokens: int) -> dict:
     get = lambda k: [v for v in per.get(k, [])] + [0.0] * (n - len(per.get(k, [])))
     cols = {k: get(k) for k in ("iteration", "C layer stack", "LM head GEMM", "recv", "intake", "schedule",
                                 "build input", "forward", "logits", "sample", "execute", "on_step", "outputs",
-                                "stats", "step logger", "send")}
+                                "stats", "step logger", "send", "governor tick")}
     derived = {
         "outside": [i - s - g for i, s, g in zip(cols["iteration"], cols["C layer stack"], cols["LM head GEMM"])],
         "forward before the stack": [f - s - lg for f, s, lg in
@@ -189,6 +193,7 @@ def run_tree(tree: str, a) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default=None, help="git revision to compare with (A); this tree is B")
+    ap.add_argument("--base-tree", default=None, help="or a folder holding the shepherd/ to compare with (A)")
     ap.add_argument("--runs", type=int, default=2, help="runs of each side (alternating A B B A ...)")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
@@ -200,7 +205,9 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"B": str(ROOT)}
-        if a.base:
+        if a.base_tree:
+            sides["A"], a.base = str(Path(a.base_tree).resolve()), a.base_tree
+        elif a.base:
             tar = subprocess.run(["git", "-C", str(ROOT), "archive", a.base, "shepherd"], check=True,
                                  capture_output=True)
             subprocess.run(["tar", "-x", "-C", tmp], input=tar.stdout, check=True)
@@ -229,7 +236,7 @@ def main() -> int:
     steps = res["B"][0]["steps"]
     lines += ["", f"{steps} decode steps a run. Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
                   f"{os.cpu_count()} CPUs: `python benchmarks/core_loop_cost.py"
-                  f"{f' --base {a.base}' if a.base else ''} --runs {a.runs}"
+                  f"{(' --base-tree ' if a.base_tree else ' --base ') + a.base if a.base else ''} --runs {a.runs}"
                   f"{f' --requests {a.requests}' if a.requests != 4 else ''}"
                   f"{f' --tokens {a.tokens}' if a.tokens != 128 else ''}{' --docs' if a.docs else ''}`."]
     text = "\n".join(lines)
