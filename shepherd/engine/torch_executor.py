@@ -12,6 +12,7 @@ ones (engine/spec_ngram.py, engine/spec_model.py).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -122,16 +123,18 @@ def _round_up(x: int, m: int) -> int:
 
 class _ReqState:
     """What the executor keeps of one request: the sampler's record, its slot table (position
-    -> KV slot) and that table as a tensor, copied up to n_slots; its LoRA adapter's name; and,
+    -> KV slot) and that table as a tensor, copied up to n_slots (slots_c: a ctypes array over
+    the tensor's memory, which sync writes through); its LoRA adapter's name; and,
     when it asked for its prompt's logprobs, those found so far (`plp`: the entry of position p is
     prompt token p+1's) until they are handed out with its first token (then plp is None)."""
-    __slots__ = ("seq", "slots", "slots_t", "n_slots", "adapter", "prompt", "plp_top", "plp")
+    __slots__ = ("seq", "slots", "slots_t", "slots_c", "n_slots", "adapter", "prompt", "plp_top", "plp")
 
     def __init__(self, seq: SamplingState, new: NewRequest):
         self.seq = seq
         self.adapter = new.adapter
         self.slots: list[int] = []
         self.slots_t = torch.empty(0, dtype=torch.long)
+        self.slots_c = None
         self.n_slots = 0
         self.prompt = new.prompt_ids
         self.plp_top = new.params.prompt_logprobs
@@ -145,19 +148,21 @@ class _ReqState:
             self.slots[s.slots_from:] = s.new_slots
         self.seq.feed(s.start_pos, s.token_ids)
 
-    def sync(self, need: int) -> torch.Tensor:
-        """Make slots_t[:need] equal slots[:need]; returns that view."""
-        slots = self.slots
+    def sync(self, need: int) -> None:
+        """Make slots_t[:need] equal slots[:need] (slots_t may be longer). The new slots (one a
+        decode step) go in through the ctypes array: with a torch.tensor and a copy into a slice
+        of slots_t, and the slice and its clone handed to the kernels, a one-row step's input took
+        ~50 us longer, each torch path that runs once a step being slow there
+        (benchmarks/core_loop_cost.py; docs/SERVING.md)."""
         if need > self.n_slots:
             if self.slots_t.numel() < need:
                 cap = max(need, 2 * self.slots_t.numel(), 64)
                 new = torch.empty(cap, dtype=torch.long)
                 if self.n_slots:
                     new[: self.n_slots] = self.slots_t[: self.n_slots]
-                self.slots_t = new
-            self.slots_t[self.n_slots: need] = torch.tensor(slots[self.n_slots: need], dtype=torch.long)
+                self.slots_t, self.slots_c = new, (ctypes.c_int64 * cap).from_address(new.data_ptr())
+            self.slots_c[self.n_slots: need] = self.slots[self.n_slots: need]
             self.n_slots = need
-        return self.slots_t[:need]
 
 
 class _LogitRows:
@@ -461,8 +466,9 @@ class TorchExecutor:
 
     # ------------------------------------------------------------------ forward
     def _rows(self, seqs: list[ScheduledSeq]):
-        """(seq, its state, tokens, context after this step, its slots as a tensor) for each seq
-        with tokens to feed, after taking the seq's changes into the state."""
+        """(seq, its state, tokens, context after this step) for each seq with tokens to feed,
+        after taking the seq's changes into the state (its slots_t holds its slots up to the
+        context)."""
         reqs = self.reqs
         for s in seqs:
             st = reqs.get(s.req_id)
@@ -475,7 +481,8 @@ class TorchExecutor:
             ctx = s.start_pos + n
             if ctx > self.max_model_len:
                 raise ExecutorError(f"{s.req_id}: context {ctx} exceeds max_model_len {self.max_model_len}")
-            yield s, st, n, ctx, st.sync(ctx)
+            st.sync(ctx)
+            yield s, st, n, ctx
 
     def build_input_fused(self, seqs: list[ScheduledSeq]) -> tuple[StepInput, _LogitRows]:
         """Input of the fused path: per row its slot, and where its keys are in slot_tab. Per-row
@@ -490,14 +497,14 @@ class TorchExecutor:
         want = _LogitRows()
         fed: list[tuple[_ReqState, int]] = []
         row = tab = max_ctx = 0
-        for s, st, n, ctx, sl in self._rows(seqs):
+        for s, st, n, ctx in self._rows(seqs):
             fed.append((st, n))
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, ctx))
             write.extend(st.slots[s.start_pos: ctx])
             off.extend([tab] * n)
             rctx.extend(range(s.start_pos + 1, ctx + 1))
-            tab_parts.append(sl)
+            tab_parts.append((st.slots_t, ctx))
             tab += ctx
             max_ctx = max(max_ctx, ctx)
             want.add(s, st, row, n)     # a verify: the logits after the last token and after each draft
@@ -507,7 +514,7 @@ class TorchExecutor:
             ids.extend([0] * pad)
             pos.extend([0] * pad)
             write.extend([self._scratch_slot] * pad)
-            tab_parts.append(self._scratch[:1])
+            tab_parts.append((self._scratch, 1))
             off.extend([tab] * pad)
             rctx.extend([1] * pad)
             max_ctx = max(max_ctx, 1)
@@ -516,7 +523,9 @@ class TorchExecutor:
         inp = StepInput(input_ids=long(ids), positions=long(pos), write_index=None, groups=[],
                         logits_index=want.index(T),
                         num_tokens=T, slots=long(write),
-                        slot_tab=torch.cat(tab_parts) if len(tab_parts) > 1 else tab_parts[0].clone(),
+                        # one request: its own table, read up to its context by this forward only
+                        slot_tab=(torch.cat([t[:c] for t, c in tab_parts]) if len(tab_parts) > 1
+                                  else tab_parts[0][0]),
                         row_off=long(off), row_ctx=long(rctx), max_ctx=max_ctx, lora_rows=self._lora_rows(fed))
         return inp, want
 
@@ -545,7 +554,8 @@ class TorchExecutor:
         prefills = []
         fed: list[tuple[_ReqState, int]] = []
         row = 0
-        for s, st, n, ctx, sl in self._rows(seqs):
+        for s, st, n, ctx in self._rows(seqs):
+            sl = st.slots_t[:ctx]
             fed.append((st, n))
             ids.extend(s.token_ids)
             pos_parts.append(self._arange[s.start_pos: ctx])

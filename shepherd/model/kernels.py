@@ -285,7 +285,7 @@ class Kernels:
         call = functools.partial(
             self.lib.forward_bf16, lw=lw, x=x, h=h, qkv=qkv, att=att, gu=gu, act=act, tmp=tmp, xf=xf,
             M=T, D=D, H=H, KVH=KVH, hd=hd, I=I, pos=pos, cos_t=cos, sin_t=sin, pool=kv_pool,
-            layer_elems=kv_pool[0].numel(), cap1=kv_pool.shape[2], slots=slots, slot_tab=slot_tab,
+            layer_elems=kv_pool.numel() // kv_pool.shape[0], cap1=kv_pool.shape[2], slots=slots, slot_tab=slot_tab,
             off=off, ctx=ctx, max_ctx=max_ctx, scale=scale, eps=eps, dp=int(dp),
             lora=None if lora_rows is None else lora, lora_slots=0 if lora is None else lora.shape[2],
             lrows=None if lora_rows is None else lora_rows.lrows,

@@ -114,7 +114,7 @@ class StepInput:
     # fused-kernel path (built when the model has kernels): per row its slot, and the keys it
     # attends over: slot_tab[row_off[r] : row_off[r] + row_ctx[r]]
     slots: Optional[torch.Tensor] = None      # [T] long
-    slot_tab: Optional[torch.Tensor] = None   # [sum of ctx per sequence] long
+    slot_tab: Optional[torch.Tensor] = None   # [sum of ctx per sequence] long (or longer: read up to there)
     row_off: Optional[torch.Tensor] = None    # [T] long
     row_ctx: Optional[torch.Tensor] = None    # [T] long
     max_ctx: int = 0
@@ -358,7 +358,7 @@ class LlamaModel:
         add rides in the next RMSNorm; attention reads K/V in the pool by slot."""
         k = self.kernels
         H, KVH, hd, eps = self.H, self.KVH, self.hd, self.eps
-        x = F.embedding(inp.input_ids, self.embed)
+        x = self.embed.index_select(0, inp.input_ids)     # F.embedding's gather without its Python wrapper
         h = k.rmsnorm(x, self.layers[0]["ln1"], eps)
         if self.layer_ptrs is not None and self.whole_forward:
             run = k.layer_stack(lw=self.layer_ptrs, x=x, h=h, H=H, KVH=KVH, hd=hd, I=self.I, pos=inp.positions,
