@@ -832,8 +832,9 @@ KERNEL(void, bf16_mm, const uint16_t *x, int64_t rows, int64_t K, const uint16_t
  * wall time, boundary to boundary, was `stretch` s or more (a thread of the team was off its CPU
  * inside it: the others waited for it at the op's closing barrier) makes the next boundary a look
  * at once, and the call returns there whatever the look finds; seen[3] = the longest op since the
- * last look, s (0 when stretch <= 0). Under the stall attacks the first such op came 3-12 ms long,
- * 20-50 ms before the 10 ms looks' two-look rule dropped a thread (docs/SERVING.md).
+ * last look, s (0 when stretch <= 0). Under the stall attacks the first such op of a step took
+ * 3.2-12.1 ms, where the 10 ms looks' two-look rule left the team at two threads for 42-73 ms of
+ * such a step (docs/SERVING.md "Where the gap goes", "Stretch looks").
  * probe < 0: no looks. */
 KERNEL(int, forward_bf16_supports, int64_t H, int64_t KVH, int64_t hd) {
 #if defined(__AVX512F__)
