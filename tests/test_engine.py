@@ -710,7 +710,8 @@ def test_thread_governor_drops_at_the_second_stretched_op():
 
     gov = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
                          probe=0.01, sharp=0.49, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)),
-                         stretch=0.004, stretch_rows=8, pair=0.05, tasks=lambda: tasks[0])
+                         stretch=0.004, stretch_rows=8, pair=0.05, tasks=lambda: tasks[0],
+                         machine_cpus=2)
     reads.clear()
     quiet = StackWatch(0.01, 0.65, 0.004, 8)
     assert gov.between_layers(0) == quiet and reads == []
@@ -734,14 +735,27 @@ def test_thread_governor_drops_at_the_second_stretched_op():
     # a first stretch look with a task besides the team's two runnable at it: one thread at once
     gov = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
                          probe=0.01, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)),
-                         stretch=0.004, stretch_rows=8, pair=0.05, tasks=lambda: tasks[0])
+                         stretch=0.004, stretch_rows=8, pair=0.05, tasks=lambda: tasks[0],
+                         machine_cpus=2)
     assert gov.between_layers(0) == quiet
     tasks[0] = 3
     assert look(3, 0.008, 0.4, 0.005) == StackWatch(0.1) and calls == [1, 1] and gov.mid_step_drops == 1
+    # on a machine of 8 CPUs, 3 runnable besides the team's 2 leave a CPU free: the first stretch
+    # look goes on; 7 besides them (more than the 6 CPUs the team leaves) drop at once
+    big = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
+                         probe=0.01, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)),
+                         stretch=0.004, stretch_rows=8, pair=0.05, tasks=lambda: tasks[0], machine_cpus=8)
+    gov = big
+    assert big.between_layers(0) == quiet
+    tasks[0] = 5
+    assert look(3, 0.008, 0.4, 0.005) == StackWatch(0.01, None, 0.004, 8) and calls == [1, 1]
+    now[0] += 0.1      # past `pair`: the next stretch look is a first one again
+    tasks[0] = 9
+    assert look(5, 0.008, 0.4, 0.005) == StackWatch(0.1) and calls == [1, 1, 1] and big.mid_step_drops == 1
     # stretch 0: no stretch looks asked for, and a look's op is never read
     off = ThreadGovernor(2, calls.append, clock=lambda: now[0], cpu_clock=lambda: 0.0, times=times,
                          probe=0.01, least=0.65, idle=lambda cpus: (0, int(now[0] * 200)), stretch=0.0)
     assert off.between_layers(0) == StackWatch(0.01, 0.65)
     now[0] += 0.01
     assert off.between_layers(3, StackLook(least=0.3, cpus=1.3, wall=0.01, op=0.009)) == StackWatch(0.01)
-    assert calls == [1, 1] and off.mid_step_drops == 0
+    assert calls == [1, 1, 1] and off.mid_step_drops == 0

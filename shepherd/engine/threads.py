@@ -76,9 +76,10 @@ taken off its CPU stretches the op it is in to a scheduler slice: the first such
 refused attack's gap took 3.2-12.1 ms. So the stack also looks at the op boundary right after
 an op of `stretch` (4 ms) or more and returns there (kernels.StackWatch.stretch, StackLook.op).
 At such a look in which a thread lost at least half of `stretch` of CPU, the governor drops to
-one thread at once when a task besides the team's threads is runnable right then (/proc/loadavg;
-the team's threads all run at a look, so another runnable task is one still wanting our CPUs:
-the attacking client was), or at the second such look within `pair` (50 ms); no /proc/self read
+one thread at once when more tasks besides the team's threads are runnable right then than the
+machine has CPUs left beside the team (/proc/loadavg counts every CPU's; the team's threads all
+run at a look, so such a task is one still waiting for a CPU: the attacking client was; on this
+2-CPU machine, any other runnable task), or at the second such look within `pair` (50 ms); no /proc/self read
 before it. A stretched op alone is not enough: a served quiet stream had an op of 3.2 ms or
 more in 22 of 2,096 steps (bursts of other processes on the machine), and a variant dropping at
 every such look had 7 and 12 drops in a quiet `one_stream_budget.py --rounds 3` (0 and 0
@@ -162,12 +163,14 @@ class ThreadGovernor:
                  times: Optional[Callable[[], Optional[tuple[int, int]]]] = None, least: float = 0.65,
                  recheck: float = 0.1, idle: Optional[Callable[[set], Optional[tuple[int, int]]]] = None,
                  stretch: float = 0.004, stretch_rows: int = 8, pair: float = 0.05,
-                 tasks: Callable[[], Optional[int]] = runnable):
+                 tasks: Callable[[], Optional[int]] = runnable, machine_cpus: Optional[int] = None):
         self.max_threads, self.set_threads = max_threads, set_threads
         self.least, self.recheck = least, recheck
         self.stretch, self.stretch_rows, self.pair = stretch, stretch_rows, pair
         self._stretched_at = -float("inf")     # the clock at the last stretch look
-        self._tasks = tasks
+        # /proc/loadavg counts the runnable tasks of every CPU of the machine, not only ours: only
+        # more of them than the machine has CPUs beside our threads means one waits for a CPU
+        self._tasks, self._machine_cpus = tasks, machine_cpus or os.cpu_count() or 1
         self._idle_fn = idle or cpu_idle
         self._quick, self._dropped_at = False, 0.0   # after a mid-step drop: windows of `recheck` s
         self.window, self.contended, self.free, self.clock = window, contended, free, clock
@@ -270,7 +273,7 @@ class ThreadGovernor:
             apart, self._stretched_at = now - self._stretched_at, now
             others = self._tasks()
             others = None if others is None else others - self.threads   # ours all run at a look
-            if apart <= self.pair or (others is not None and others > 0):
+            if apart <= self.pair or (others is not None and others > self._machine_cpus - self.threads):
                 self._stretched_at = -float("inf")
                 why = (f"a second op of {1e3 * look.op:.1f} ms {1e3 * apart:.0f} ms after the first"
                        if apart <= self.pair else f"an op of {1e3 * look.op:.1f} ms and {others} other task(s) "
