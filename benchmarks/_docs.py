@@ -1,7 +1,9 @@
 """Write a benchmark's table into a docs page between `<!-- MARK -->` and `<!-- /MARK -->`."""
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -17,3 +19,16 @@ def write_block(page: str, mark: str, text: str) -> Path:
     doc = pat.sub(lambda _: block, doc) if pat.search(doc) else doc.rstrip() + "\n\n" + block + "\n"
     path.write_text(doc)
     return path
+
+
+def footer(command: str, where: str = "") -> str:
+    """The line under a benchmark's table: when (UTC), `where` (e.g. " on CPU", ", 2 threads"),
+    how many CPUs, and the command that made it."""
+    return f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{where}, {os.cpu_count()} CPUs: `{command}`."
+
+
+def publish(text: str, page: str, mark: str, write: bool) -> None:
+    """Print a benchmark's table and, with its --docs, write it into docs/`page`'s block `mark`."""
+    print(text)
+    if write:
+        print(f"written to {write_block(page, mark, text)}")

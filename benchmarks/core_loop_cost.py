@@ -208,9 +208,8 @@ def main() -> int:
         if a.base_tree:
             sides["A"], a.base = str(Path(a.base_tree).resolve()), a.base_tree
         elif a.base:
-            tar = subprocess.run(["git", "-C", str(ROOT), "archive", a.base, "shepherd"], check=True,
-                                 capture_output=True)
-            subprocess.run(["tar", "-x", "-C", tmp], input=tar.stdout, check=True)
+            from kernel_ab import export_shepherd     # not at the top: it puts this checkout first on sys.path
+            export_shepherd(a.base, tmp)
             sides["A"] = tmp
         order = []
         for r in range(a.runs):
@@ -233,18 +232,13 @@ def main() -> int:
         lines += [f"| {k} | {runs('B', k)} |" for k in names]
     med = lambda s: "/".join(f"{r['median']['outside']:.0f}" for r in res[s])
     lines += ["", f"Outside, the median step of each run: {'A ' + med('A') + ', B ' if a.base else ''}{med('B')} us."]
+    from _docs import footer, publish
     steps = res["B"][0]["steps"]
-    lines += ["", f"{steps} decode steps a run. Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-                  f"{os.cpu_count()} CPUs: `python benchmarks/core_loop_cost.py"
-                  f"{(' --base-tree ' if a.base_tree else ' --base ') + a.base if a.base else ''} --runs {a.runs}"
-                  f"{f' --requests {a.requests}' if a.requests != 4 else ''}"
-                  f"{f' --tokens {a.tokens}' if a.tokens != 128 else ''}{' --docs' if a.docs else ''}`."]
-    text = "\n".join(lines)
-    print(text)
-    if a.docs:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from _docs import write_block
-        print(f"written to {write_block('SERVING.md', 'core-loop-cost', text)}")
+    lines += ["", f"{steps} decode steps a run. " + footer(
+        f"python benchmarks/core_loop_cost.py{(' --base-tree ' if a.base_tree else ' --base ') + a.base if a.base else ''}"
+        f" --runs {a.runs}{f' --requests {a.requests}' if a.requests != 4 else ''}"
+        f"{f' --tokens {a.tokens}' if a.tokens != 128 else ''}{' --docs' if a.docs else ''}")]
+    publish("\n".join(lines), "SERVING.md", "core-loop-cost", a.docs)
     return 0
 
 

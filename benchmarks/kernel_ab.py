@@ -23,20 +23,26 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _docs import footer, publish  # noqa: E402
+
+
+def export_shepherd(rev: str, dest: str) -> None:
+    """The shepherd/ package of git revision `rev` of this checkout, written under `dest`."""
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "shepherd"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", dest], input=tar.stdout, check=True)
+
 
 def build_base(rev: str) -> str:
     """The path of kernels.c of `rev` built as kernels.build() builds it (same flags, same cache)."""
     from shepherd.model import kernels
     with tempfile.TemporaryDirectory() as tmp:
-        tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "shepherd"], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", tmp], input=tar.stdout, check=True)
+        export_shepherd(rev, tmp)
         env = {**os.environ, "PYTHONPATH": tmp, "SHEPHERD_CACHE_DIR": os.path.dirname(kernels.cache_dir())}
         out = subprocess.run([sys.executable, "-c", "from shepherd.model import kernels; print(kernels.build())"],
                              env=env, cwd=tmp, check=True, capture_output=True, text=True)
@@ -90,14 +96,10 @@ def main() -> int:
         lines.append(f"| {run + 1} | {r['a']:.3f} | {r['b']:.3f} | {r['b'] / r['a']:.3f} | {r['paired']:.3f} |")
         print(lines[-1], flush=True)
     cpu = platform.processor() or platform.machine()
-    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu}, "
-                  f"{os.cpu_count()} CPUs: `python benchmarks/kernel_ab.py --base {a.base} --rows {a.rows} "
-                  f"--steps {a.steps} --runs {a.runs}{' --docs' if a.docs else ''}`."]
-    text = "\n".join(lines)
-    print("\n" + text)
-    if a.docs:
-        from _docs import write_block
-        print(f"written to {write_block('MODEL.md', 'kernel-ab', text)}")
+    lines += ["", footer(f"python benchmarks/kernel_ab.py --base {a.base} --rows {a.rows} --steps {a.steps} "
+                         f"--runs {a.runs}{' --docs' if a.docs else ''}", f" on {cpu}")]
+    print()
+    publish("\n".join(lines), "MODEL.md", "kernel-ab", a.docs)
     return 0
 
 

@@ -14,7 +14,6 @@ a fork/join too). --docs writes the table into docs/MODEL.md (<!-- mem-ceiling -
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _docs import footer, publish  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate-up": (3072, 576), "down": (576, 1536)}
 HEAD = (49152, 576)
@@ -90,13 +91,9 @@ def main() -> int:
     s = statistics.median(whole[2:])
     rows.append(f"| the 121 GEMMs of a one-row step, in order | {total / 2 ** 20:.0f} | {s * 1e3:.2f} | "
                 f"{total / s / 1e9:.1f} |")
-    text = "\n".join(rows + ["", f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-                                 f"{a.threads} threads, {os.cpu_count()} CPUs: `python benchmarks/mem_ceiling.py "
-                                 f"--threads {a.threads}{' --docs' if a.docs else ''}`."])
-    print(text)
-    if a.docs:
-        from _docs import write_block
-        print(f"written to {write_block('MODEL.md', 'mem-ceiling', text)}")
+    rows += ["", footer(f"python benchmarks/mem_ceiling.py --threads {a.threads}{' --docs' if a.docs else ''}",
+                        f", {a.threads} threads")]
+    publish("\n".join(rows), "MODEL.md", "mem-ceiling", a.docs)
     return 0
 
 

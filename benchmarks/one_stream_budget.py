@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -36,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _docs import footer, publish  # noqa: E402
 from _openai_client import children, fixed_concurrency, questions  # noqa: E402
 from proc_sampler import cpu_io  # noqa: E402
 from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
@@ -100,14 +99,9 @@ def main() -> int:
     for i, r in enumerate(rows, 1):
         lines.append(f"| {i} | {r['tok_s']:.1f} | {r['tpot']:.2f} | {r['token']:.2f} | {r['step']:.2f} | "
                      f"{r['token'] - r['step']:.2f} | {r['server']:.3f} / {r['core']:.2f} / {r['client']:.2f} |")
-    lines += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs: "
-                  f"`python benchmarks/one_stream_budget.py --rounds {a.rounds}"
-                  f"{f' --streams {a.streams}' if a.streams != 1 else ''}{' --docs' if a.docs else ''}`."]
-    text = "\n".join(lines)
-    print(text)
-    if a.docs:
-        from _docs import write_block
-        print(f"written to {write_block('SERVING.md', 'one-stream-budget', text)}")
+    lines += ["", footer(f"python benchmarks/one_stream_budget.py --rounds {a.rounds}"
+                         f"{f' --streams {a.streams}' if a.streams != 1 else ''}{' --docs' if a.docs else ''}")]
+    publish("\n".join(lines), "SERVING.md", "one-stream-budget", a.docs)
     return 0
 
 
