@@ -157,6 +157,24 @@ def longest_gap(chunks: list, t0: float, t1: float) -> float:
     return best
 
 
+def held_after_gap(chunks: list, t0: float, t1: float, close: float = 0.005) -> tuple[float, float, int]:
+    """The longest gap of longest_gap (its length, its start from t0) and how many chunks of that
+    stream came right after it, each within `close` s of the one before. A burst there means the
+    tokens were made while the gap lasted and held on their way (a relay's event loop, a proxy);
+    none means they were made late (the engine's step)."""
+    best, at, held = 0.0, 0.0, 0
+    for i, ((k0, a), (k1, b)) in enumerate(zip(chunks, chunks[1:])):
+        if k0 == k1 and b >= t0 and a <= t1 and b - a > best:
+            best, at, held, last = b - a, a - t0, 0, b
+            for k, t in chunks[i + 2:]:
+                if k != k1:
+                    continue
+                if t - last > close:
+                    break
+                held, last = held + 1, t
+    return best, at, held
+
+
 def p99(xs: list) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))] if xs else float("nan")
@@ -202,6 +220,7 @@ async def window(url: str, model: str, attack, repeat: int, max_tokens: int, tim
         counts[s] = counts.get(s, 0) + 1
     return {"statuses": counts, "window_s": t1 - t0, "health_p99": p99(lat), "health_max": max(lat, default=0.0),
             "gap_max": longest_gap(chunks, t0, t1), "gap_median": statistics.median(gaps) if gaps else 0.0,
+            "held_after_gap": held_after_gap(chunks, t0, t1)[2],
             "answer_s": [d for _, d in answers], "t0": t0, "wall0": wall0, "t1": t1, "t_end": t_end,
             "chunks": [(k, t) for k, t in chunks if t0 - 1.0 <= t <= t_end],
             "all_chunks": chunks}     # --dump: every chunk, so a chunk's place in its stream is known
@@ -384,6 +403,12 @@ def main() -> None:
             stop_server(p)
     block = table(rows, args.repeat, args.target)
     print("\n" + block)
+    # where each longest gap was spent: chunks that arrive together right after it were made on time
+    print("\nafter each longest gap, chunks within 5 ms of each other (held on the way; 0: made late), "
+          "and the stream's median gap:")
+    for label, r in rows:
+        print(f"  {'no attack' if label is None else label}: {r['held_after_gap']} after {r['gap_max']:.3f} s "
+              f"(median {r['gap_median']:.3f} s)")
     if args.dump:
         with open(args.dump, "w", encoding="utf-8") as f:
             json.dump([{"attack": "none" if label is None else label, **r} for label, r in rows], f)
