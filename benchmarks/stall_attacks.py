@@ -7,6 +7,7 @@
     python benchmarks/stall_attacks.py --root /path/to/old/checkout --timeout 120   # a before
     python benchmarks/stall_attacks.py --target gateway --write docs/SERVING.md --section gateway
     python benchmarks/stall_attacks.py --target ray --write docs/SERVING.md --section ray   # Ray Serve
+    python benchmarks/stall_attacks.py --target ray --stream-direct   # the stream straight to the replica
     python benchmarks/stall_attacks.py --attacks schema,fullbias --streams 32   # accepted bodies through the core pipe
     python benchmarks/stall_attacks.py --attacks prompt,chat --dump /tmp/w.json  # each window's raw chunk times
 
@@ -181,11 +182,11 @@ def p99(xs: list) -> float:
 
 
 async def window(url: str, model: str, attack, repeat: int, max_tokens: int, timeout: float, pool,
-                 settle: float = 0.0, streams: int = 0) -> dict:
+                 settle: float = 0.0, streams: int = 0, stream_url: str = "") -> dict:
     stop_evt = asyncio.Event()
     health, chunks = [], []
     hp = asyncio.create_task(health_poller(url, stop_evt, health))
-    inn = asyncio.create_task(innocent(url, model, max_tokens, stop_evt, chunks))
+    inn = asyncio.create_task(innocent(stream_url or url, model, max_tokens, stop_evt, chunks))
     # more streams beside the innocent one: the core's steps get longer (their chunks are not measured)
     load = [asyncio.create_task(innocent(url, model, max_tokens, stop_evt, [])) for _ in range(streams)]
     while len(chunks) < 8:                       # the stream is flowing
@@ -311,6 +312,19 @@ def profile_report(samples: list, r: dict, logs: str, step: float = 0.1, timelin
     return "\n".join(out)
 
 
+def replica_url(url: str, wait: float = 60.0) -> str:
+    """--stream-direct: the replica's own HTTP server (`ray-serve --replica-http`), from the ingress's
+    /metrics (shepherd_ray_replica_info's url label, there once the replica's routing stats came)."""
+    import httpx
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        found = re.findall(r'shepherd_ray_replica_info\{[^}]*url="(http[^"]+)"', httpx.get(url + "/metrics", timeout=30).text)
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    raise SystemExit("--stream-direct: no replica URL in the ingress's /metrics (is --replica-http set?)")
+
+
 def launch(args) -> tuple[str, list]:
     py = sys.executable
     serve = [py, "-m", "shepherd", "serve", "--executor", args.executor] + args.serve_arg
@@ -327,6 +341,7 @@ def launch(args) -> tuple[str, list]:
         # flags); SIGTERM (stop_server) makes it delete the app and shut Ray down
         port = args.port or free_port()
         ray = serve[:3] + ["ray-serve"] + serve[4:] + ["--address", "local", "--replicas", "1", "--port", str(port)]
+        ray += ["--replica-http"] if args.stream_direct else []
         procs = [start(ray, os.path.join(args.logs, "ray-serve.log"), args.root)]
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, procs)
@@ -362,6 +377,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180.0, help="an attacker's own timeout, s")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--logs", default="/tmp")
+    ap.add_argument("--stream-direct", action="store_true", help="--target ray: the innocent stream goes to "
+                    "the replica's own HTTP port (ray-serve --replica-http), the attacks and /health through "
+                    "Ray's proxy and the ingress: gaps that stay are the replica's, gaps that go were the hops'")
     ap.add_argument("--root", default=ROOT, help="the checkout whose shepherd serves (default: this one)")
     ap.add_argument("--write", default=None, help="a docs file to write the table into (between its markers)")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds the innocent stream flows before the "
@@ -383,14 +401,15 @@ def main() -> None:
     try:
         import httpx
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        stream_url = replica_url(url) if args.stream_direct else ""
         rows = [(None, asyncio.run(window(url, model, None, 0, args.max_tokens, args.timeout, pool, args.settle,
-                                          args.streams)))]
+                                          args.streams, stream_url)))]
         print(table(rows, args.repeat, args.target), flush=True)
         if sampler is not None:
             print(profile_report(sampler.samples, rows[0][1], args.logs, timeline=False), flush=True)
         for name in chosen:
             r = asyncio.run(window(url, model, every[name], args.repeat, args.max_tokens, args.timeout, pool,
-                                   args.settle, args.streams))
+                                   args.settle, args.streams, stream_url))
             rows.append((every[name][0], r))
             print(table(rows[-1:], args.repeat, args.target).splitlines()[-1], flush=True)
             if sampler is not None:
