@@ -114,6 +114,12 @@ class SchedulerConfig:
     # decode-only (SGLang), with max_consecutive_prefill bounding how long decodes wait.
     # admission=peak never mixes: its exact estimate needs requests to grow in lockstep.
     mixed_steps: bool = True
+    # Sarathi-Serve's token budget for a step that carries running decodes: at most this many
+    # prompt tokens beside them (prefill chunks and admissions; 0 = off, max_num_tokens alone).
+    # Ten prompts admitted together otherwise prefill in the one step every running stream
+    # waits for (docs/SERVING.md, "The enum row"); a step with no decodes still takes
+    # max_num_tokens. Trades the newcomers' time to first token for the running streams' gaps.
+    max_prefill_tokens_with_decodes: int = 0
     # optimistic admission: SGLang's new_token_ratio reserve for growth
     new_token_ratio_init: float = 0.7
     new_token_ratio_min: float = 0.1
@@ -162,6 +168,9 @@ class SchedulerConfig:
                      "max_concurrency", "max_queue", "multi_step", "max_loras"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise ConfigError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = off), "
+                              f"got {self.max_prefill_tokens_with_decodes}")
         if self.decode_first_prefill_every > 0 and self.multi_step > 1:
             raise ConfigError("decode_first_prefill_every and multi_step each choose a step shape "
                               "(LightLLM decode-first, vLLM v0.6 multi-step); set one of them")

@@ -211,6 +211,77 @@ def test_mixed_steps_never_stall_decodes_behind_prefill():
     assert any(d and p for d, p in steps)                 # and prefill chunks rode in the same steps
 
 
+def _burst_beside_a_decode(cap, n=10, prompt=34, arrival=2.0, **kw):
+    """One stream decoding, then n prompts arriving together (issue 31's enum row: ten requests
+    admitted at once); per step: (dec's token in it, prompt tokens in it)."""
+    s, ex = make(cap=1 << 16, max_batch_size=64, max_prefill_tokens_with_decodes=cap, **kw)
+    dec = mk("dec", [5] * 4, max_tokens=60)
+    burst = [mk(f"p{i}", [6 + i] * prompt, max_tokens=2, arrival=arrival) for i in range(n)]
+    steps = []
+
+    def obs(b, o, t0, t1):
+        steps.append((any(sq.req_id == "dec" and not sq.is_prefill for sq in b.seqs),
+                      sum(sq.num_tokens for sq in b.seqs if sq.is_prefill)))
+    run_offline(s, ex, [dec] + burst, observer=obs)
+    assert all(len(r.output_ids) == 2 for r in burst) and len(dec.output_ids) == 60
+    return steps, burst
+
+
+def test_prefill_cap_beside_decodes_bounds_each_step_and_the_decode_never_waits():
+    C = 16
+    steps, _ = _burst_beside_a_decode(C)
+    first = next(i for i, (d, _) in enumerate(steps) if d)
+    last = max(i for i, (d, _) in enumerate(steps) if d)
+    assert all(d for d, _ in steps[first:last + 1])                # dec gets its token every step
+    with_dec = [p for d, p in steps if d]
+    assert max(with_dec) == C                                      # the cap, and it is used
+    assert sum(with_dec) >= 10 * 34                                # every prompt token rode beside dec
+    assert sum(1 for p in with_dec if p) == -(-10 * 34 // C)       # in ceil(340 / C) steps: no step wasted
+
+
+def test_prefill_cap_off_is_todays_step_and_a_step_without_decodes_keeps_the_whole_budget():
+    steps, _ = _burst_beside_a_decode(0)
+    assert max(p for d, p in steps if d) == 340                    # 0 = off: all ten in one step beside dec
+    # nothing decoding when the burst arrives: the step takes max_num_tokens, not the cap
+    s, ex = make(cap=1 << 16, max_batch_size=64, max_prefill_tokens_with_decodes=16)
+    burst = [mk(f"p{i}", [6 + i] * 34, max_tokens=2) for i in range(10)]
+    seen = []
+    run_offline(s, ex, burst, observer=lambda b, o, t0, t1: seen.append(b))
+    assert sum(sq.num_tokens for sq in seen[0].seqs if sq.is_prefill) == 340
+
+
+def test_prefill_cap_chunks_a_long_prompt_beside_decodes_without_starving_it():
+    C = 16
+    s, ex = make(cap=1 << 16, max_batch_size=64, max_prefill_tokens_with_decodes=C)
+    dec = mk("dec", [5] * 4, max_tokens=60)
+    long_ = mk("long", [7] * 100, max_tokens=2, arrival=2.0)
+    chunks = []
+
+    def obs(b, o, t0, t1):
+        n = sum(sq.num_tokens for sq in b.seqs if sq.req_id == "long" and sq.is_prefill)
+        if n:
+            chunks.append((n, any(sq.req_id == "dec" for sq in b.seqs)))
+    run_offline(s, ex, [dec, long_], observer=obs)
+    assert len(long_.output_ids) == 2
+    assert [n for n, _ in chunks] == [16] * 6 + [4] and all(d for _, d in chunks)   # ceil(100 / 16) steps
+
+
+def test_prefill_cap_counts_only_the_tokens_a_prefix_hit_leaves_to_compute():
+    system = list(range(10, 310))                                  # 300 tokens, cached by `a`
+    s, ex = make(cap=4096, max_batch_size=64, max_prefill_tokens_with_decodes=16)
+    dec = mk("dec", [5] * 4, max_tokens=80)
+    a = mk("a", system + [5, 6, 7], max_tokens=2, arrival=1.0)
+    b = mk("b", system + [8, 9], max_tokens=2, arrival=60.0)
+    steps_b = []
+
+    def obs(bt, o, t0, t1):
+        n = sum(sq.num_tokens for sq in bt.seqs if sq.req_id == "b" and sq.is_prefill)
+        if n:
+            steps_b.append(n)
+    run_offline(s, ex, [dec, a, b], observer=obs)
+    assert b.num_cached == 300 and steps_b == [2]                  # one step: its 2 new tokens
+
+
 def test_prefill_first_bounds_decode_starvation():
     m = 3
     s, ex = make(cap=1 << 16, max_batch_size=64, max_num_tokens=32, max_consecutive_prefill=m,

@@ -124,6 +124,9 @@ CONFIGS = [
     dict(admission="peak", mixed_steps=False, n=90),
     dict(admission="optimistic", decode_first_prefill_every=3, mixed_steps=False),
     dict(admission="optimistic", multi_step=3, mixed_steps=False),
+    dict(admission="optimistic", max_prefill_tokens_with_decodes=8),
+    dict(admission="optimistic", max_prefill_tokens_with_decodes=8, multi_step=3, n=90),
+    dict(admission="optimistic", max_prefill_tokens_with_decodes=8, decode_first_prefill_every=3),
 ]
 
 

@@ -51,6 +51,8 @@ def run_checked(cfg: SchedulerConfig, reqs, host: int = 0):
         assert 0 <= st_.kv_used <= st_.kv_capacity
         assert st_.kv_host_used <= host
         assert batch.num_tokens <= cfg.max_num_tokens
+        if cfg.max_prefill_tokens_with_decodes and st_.last_decode_seqs:     # a step that carried decodes
+            assert st_.last_prefill_tokens <= cfg.max_prefill_tokens_with_decodes
         assert st_.num_running <= cfg.max_batch_size
         s.check_integrity()
         ended.extend(o.req_id for o in outs if o.finished)
@@ -74,10 +76,11 @@ def run_checked(cfg: SchedulerConfig, reqs, host: int = 0):
 @settings(max_examples=8, **SETTINGS)
 @given(seed=st.integers(0, 2**20), policy=st.sampled_from(POLICIES), cap=st.sampled_from([128, 256, 512]),
        preemption=st.sampled_from(["recompute", "swap"]), prefix=st.booleans(),
-       chunk=st.sampled_from([16, 64, 4096]), debug=st.sampled_from([0, 0, 5]), mixed=st.booleans())
-def test_random_workloads(admission, page_size, seed, policy, cap, preemption, prefix, chunk, debug, mixed):
+       chunk=st.sampled_from([16, 64, 4096]), debug=st.sampled_from([0, 0, 5]), mixed=st.booleans(),
+       pcap=st.sampled_from([0, 0, 8]))
+def test_random_workloads(admission, page_size, seed, policy, cap, preemption, prefix, chunk, debug, mixed, pcap):
     cfg = SchedulerConfig(max_total_tokens=cap, max_batch_size=6, max_num_tokens=chunk, page_size=page_size,
-                          mixed_steps=mixed,
+                          mixed_steps=mixed, max_prefill_tokens_with_decodes=pcap,
                           admission=admission, policy=policy, preemption=preemption, prefix_cache=prefix,
                           aging_steps=30, lookahead=3, debug_preempt_every=debug,
                           new_token_ratio_decay_steps=40)

@@ -408,3 +408,13 @@ def test_cli_flags_of_vllm_v06_serving_reach_the_scheduler():
                                                  "0", "--multi-step", "10", "--no-prefix-cache"]))
     assert (cfg.mixed_steps, cfg.max_consecutive_prefill, cfg.multi_step, cfg.prefix_cache) == (False, 0, 10, False)
     assert sim_cli.scheduler_config(p.parse_args(["--out", "o"])).mixed_steps is True
+
+
+def test_simulate_takes_the_prefill_cap_beside_decodes():
+    import argparse
+    from shepherd.sim import sim_cli
+    p = argparse.ArgumentParser()
+    sim_cli.add_arguments(p)
+    cfg = sim_cli.scheduler_config(p.parse_args(["--out", "o", "--max-prefill-tokens-with-decodes", "32"]))
+    assert cfg.max_prefill_tokens_with_decodes == 32
+    assert sim_cli.scheduler_config(p.parse_args(["--out", "o"])).max_prefill_tokens_with_decodes == 0

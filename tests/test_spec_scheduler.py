@@ -67,6 +67,26 @@ def test_same_tokens_fewer_steps(seed):
     assert st.generated_tokens == sum(len(r.output_ids) for r in plain.values())
 
 
+def test_prefill_cap_beside_verify_rows_counts_prompt_tokens_only():
+    """max_prefill_tokens_with_decodes caps the prompt tokens beside decodes; a decode's drafts are
+    not prompt tokens, and the tokens come out as without speculation."""
+    reqs = workload(3)
+    s = Scheduler(SchedulerConfig(speculative=spec(), max_total_tokens=2048, max_num_tokens=64,
+                                  max_prefill_tokens_with_decodes=8), max_model_len=8192)
+    ex = SimExecutor(kv_capacity=s.capacity, check=True, acceptance_rate=0.7)
+    beside = []
+
+    def obs(b, o, t0, t1):
+        st = s.stats()
+        if st.last_decode_seqs:
+            beside.append((st.last_prefill_tokens, sum(q.num_draft for q in b.seqs)))
+        s.check_integrity()
+    fast = run_offline(s, ex, reqs, observer=obs)
+    assert max(p for p, _ in beside) == 8 and any(d for _, d in beside)
+    _, plain, _ = run(workload(3), max_total_tokens=2048, max_num_tokens=64)
+    assert outputs(fast) == outputs(plain)
+
+
 def test_acceptance_all_and_none():
     s1, done1, _ = run([mk("a", max_tokens=30)], spec(k=4, acc=1.0), max_total_tokens=512)
     st = s1.stats()

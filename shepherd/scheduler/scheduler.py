@@ -28,7 +28,9 @@ the step counter.
 
 Step shape: with mixed steps (the default, vLLM) every running decode gets
 its token first, then prefill chunks and admissions fill the rest of
-max_num_tokens; a step that had to preempt for decode KV admits nothing.
+max_num_tokens, at most max_prefill_tokens_with_decodes of them when set
+(Sarathi-Serve's budget: a step the running streams wait for carries a
+bounded prefill); a step that had to preempt for decode KV admits nothing.
 Otherwise (or under a mode that never mixes) a step is a prefill step
 (decodes wait) or a decode step. A request is admitted only when its whole
 known sequence gets KV slots at once, so a chunked prefill never runs out of
@@ -313,7 +315,7 @@ class Scheduler:
             if self._stats.preemptions != preempted:
                 prefill_ok = False    # memory is short: re-admitting a victim now would only thrash
         if prefill_ok:
-            used = self._build_prefill(batch, used, now)
+            used = self._build_prefill(batch, used, now, with_decodes=self._stats.last_decode_seqs > 0)
             if len(batch.seqs) > self._stats.last_decode_seqs:
                 shape.done(prefilled=True)
                 return self._finish_batch(batch)
@@ -322,11 +324,16 @@ class Scheduler:
         shape.done(prefilled=False)
         return self._finish_batch(batch)
 
-    def _build_prefill(self, batch: ScheduledBatch, used: int, now: float) -> int:
+    def _build_prefill(self, batch: ScheduledBatch, used: int, now: float, with_decodes: bool = False) -> int:
         cfg = self.cfg
         pol = self.policy
         q = self.queues
         budget = cfg.max_num_tokens
+        cap = cfg.max_prefill_tokens_with_decodes
+        if with_decodes and cap:
+            # the running streams wait for this step: its prompt tokens are capped (Sarathi-Serve's
+            # budget), the rest of a chunked prompt goes on in the next steps
+            budget = min(budget, used + cap)
         started = [e for e in q.running if e.in_prefill()]
         later: list[Entry] = []
         if pol.ranked and q.waiting and started:

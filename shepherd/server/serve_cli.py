@@ -76,6 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--max-batch-size", type=int, default=s.max_batch_size, help="requests running at once")
     k.add_argument("--max-num-tokens", type=int, default=s.max_num_tokens,
                    help="tokens computed per step; longer prompts are chunked")
+    k.add_argument("--max-prefill-tokens-with-decodes", type=int, default=s.max_prefill_tokens_with_decodes,
+                   metavar="N",
+                   help="at most N prompt tokens in a step that also carries running decodes (Sarathi-Serve's "
+                        "budget; the rest is chunked into the next steps); a step with no decodes still takes "
+                        "--max-num-tokens. Bounds the running streams' gap when many requests are admitted "
+                        "at once, at some cost to the newcomers' time to first token (docs/SERVING.md, "
+                        "'The enum row'); 0 = off (default %(default)s)")
     k.add_argument("--max-concurrency", type=int, default=s.max_concurrency,
                    help="requests in the system (running + waiting); beyond: 429")
     k.add_argument("--max-queue", type=int, default=s.max_queue, help="requests waiting; beyond: 429")
@@ -183,6 +190,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     """argparse namespace -> (EngineConfig, ServerConfig); raises ConfigError with a clear message."""
     sched = SchedulerConfig(
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
         admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
         prefix_cache=not args.no_prefix_cache, speculative=SpeculativeConfig.from_json(args.speculative_config),

@@ -32,6 +32,8 @@ def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV capacity per replica in tokens (default: GPU memory x --mem-fraction minus weights)")
     k.add_argument("--max-batch-size", type=int, default=s.max_batch_size)
     k.add_argument("--max-num-tokens", type=int, default=s.max_num_tokens)
+    k.add_argument("--max-prefill-tokens-with-decodes", type=int, default=s.max_prefill_tokens_with_decodes,
+                   help="prompt tokens in a step that carries running decodes, at most (0 = off)")
     k.add_argument("--max-concurrency", type=int, default=s.max_concurrency)
     k.add_argument("--max-queue", type=int, default=s.max_queue)
     k.add_argument("--page-size", type=int, default=s.page_size)
@@ -176,6 +178,7 @@ def scheduler_config(args) -> SchedulerConfig:
     cfg = SchedulerConfig(
         max_total_tokens=args.max_total_tokens or SchedulerConfig.max_total_tokens,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
         admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
         prefix_cache=not args.no_prefix_cache, mixed_steps=not args.no_mixed_steps,
