@@ -227,6 +227,16 @@ async def window(url: str, model: str, attack, repeat: int, max_tokens: int, tim
             "all_chunks": chunks}     # --dump: every chunk, so a chunk's place in its stream is known
 
 
+def answer_times(r: dict) -> str:
+    """The attackers' own side: for an accepted attack (the enum row) what a cap on the step's
+    prompt tokens costs them (docs/SERVING.md, "The enum row")."""
+    a = sorted(r["answer_s"])
+    if not a:
+        return "  attackers' answers: -"
+    return (f"  attackers' answers: first {a[0]:.2f} s, median {statistics.median(a):.2f} s, "
+            f"last {a[-1]:.2f} s after the attack was sent")
+
+
 def fmt_statuses(c: dict) -> str:
     return ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "-"
 
@@ -412,6 +422,7 @@ def main() -> None:
                                    args.settle, args.streams, stream_url))
             rows.append((every[name][0], r))
             print(table(rows[-1:], args.repeat, args.target).splitlines()[-1], flush=True)
+            print(answer_times(r), flush=True)
             if sampler is not None:
                 print(profile_report(sampler.samples, r, args.logs), flush=True)
     finally:

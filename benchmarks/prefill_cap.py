@@ -1,0 +1,126 @@
+"""What `--max-prefill-tokens-with-decodes` costs and buys when nobody attacks: a real trace's
+shape and 64 streams, served, with the cap off and on, taking turns (A B A B).
+
+    python benchmarks/prefill_cap.py                          # caps 16,32 against off, 2 rounds
+    python benchmarks/prefill_cap.py --caps 32 --rounds 2 --docs   # also write the table into docs/SERVING.md
+
+Each (setting, round) starts its own `shepherd serve` (the real model, the engine core in
+its own process) and runs on it:
+- trace: `shepherd bench` replaying the first --limit requests of the Azure LLM inference
+  trace 2023 (conversation), shipped in shepherd/data/azure_llm_2023 (CC-BY-4.0; its
+  SOURCE.md), at its own arrival times, lengths scaled by --length-scale to fit this CPU
+  (~900-token prompts become ~90): time to first token, the gaps between a stream's tokens
+  (ITL, every gap pooled), output tok/s;
+- 64 streams: the official `openai` client, 64 streaming chat completions in flight out of
+  3 x 64 (~40-token prompts, 64 tokens each, ignore_eos), so after the first wave every new
+  prompt is admitted beside ~63 decodes: median time to first token and served tok/s.
+Rounds alternate the order (off first, then the caps first), so a slow spell of a shared
+machine falls on both. Ratios are on / off within the run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+import _docs  # noqa: E402
+from _openai_client import fixed_concurrency, questions  # noqa: E402
+from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
+
+TRACE = os.path.join(ROOT, "shepherd", "data", "azure_llm_2023", "AzureLLMInferenceTrace_conv.csv")
+SERVED = "smollm2-135m"
+FLAG = "--max-prefill-tokens-with-decodes"
+
+
+def serve(cap: int, log: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--served-model-name", SERVED,
+           "--log-level", "warning"] + ([FLAG, str(cap)] if cap else [])
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, what=f"shepherd serve {FLAG} {cap}")
+    return proc, url
+
+
+def trace_run(url: str, args) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "shepherd", "bench", "--url", url, "--model", SERVED, "--trace", args.trace,
+               "--limit", str(args.limit), "--length-scale", str(args.length_scale), "--out", out,
+               "--no-plots", "--no-progress", "--no-metrics"]
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "summary.json")) as f:
+            s = json.load(f)
+    if s["failed"]:
+        raise RuntimeError(f"{s['failed']} trace requests failed")
+    return {k: s[k] for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "output_tok_s")}
+
+
+def streams_run(url: str, n: int) -> dict:
+    res = asyncio.run(fixed_concurrency(url, SERVED, questions(3 * n), n, 3 * n, 64, {"ignore_eos": True}))
+    if res["errors"]:
+        raise RuntimeError(f"{res['errors']} stream requests failed: {res['first_error']}")
+    return {"s_ttft_p50": res["ttft_p50"], "s_tok_s": res["tok_s"]}
+
+
+def fmt(rows: dict, caps: list, limit: int, scale: float, n: int) -> str:
+    med = {c: {k: statistics.median(r[k] for r in rows[c]) for k in rows[c][0]} for c in rows}
+    out = [f"| `{FLAG}` | trace TTFT p50 / p99 | trace ITL p50 / p99 | trace out tok/s | "
+           f"{n} streams TTFT p50 | {n} streams tok/s | rounds |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for c in [0] + caps:
+        m = med[c]
+        out.append(f"| {c or 'off (0)'} | {m['ttft_p50'] * 1e3:.0f} / {m['ttft_p99'] * 1e3:.0f} ms | "
+                   f"{m['itl_p50'] * 1e3:.1f} / {m['itl_p99'] * 1e3:.1f} ms | {m['output_tok_s']:.1f} | "
+                   f"{m['s_ttft_p50'] * 1e3:.0f} ms | {m['s_tok_s']:.0f} | {len(rows[c])} |")
+    for c in caps:
+        a, b = med[0], med[c]
+        out.append(f"\nOn {c} / off (medians): trace TTFT p50 {b['ttft_p50'] / a['ttft_p50']:.2f}x, p99 "
+                   f"{b['ttft_p99'] / a['ttft_p99']:.2f}x; ITL p99 {b['itl_p99'] / a['itl_p99']:.2f}x; "
+                   f"{n} streams TTFT {b['s_ttft_p50'] / a['s_ttft_p50']:.2f}x, tok/s {b['s_tok_s'] / a['s_tok_s']:.3f}x.")
+    out.append(f"\nEach round, each setting: the first {limit} requests of the shipped Azure conversation trace "
+               f"at their arrival times, lengths x{scale}; then {3 * n} chat requests, {n} in flight. "
+               "Every figure is the median over the rounds; every round's figures are printed above the table.")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--caps", default="16,32", help=f"{FLAG} values measured against off")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--limit", type=int, default=150, help="trace requests per run (the first N: ~45 s of it)")
+    ap.add_argument("--length-scale", type=float, default=0.1)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--logs", default=tempfile.gettempdir())
+    ap.add_argument("--docs", action="store_true", help="write the table into docs/SERVING.md")
+    args = ap.parse_args()
+    caps = [int(c) for c in args.caps.split(",") if c]
+    rows: dict = {c: [] for c in [0] + caps}
+    for r in range(args.rounds):
+        order = [0] + caps if r % 2 == 0 else caps + [0]
+        for c in order:
+            proc, url = serve(c, os.path.join(args.logs, f"prefill_cap_{c}_{r}.log"))
+            try:
+                fig = trace_run(url, args)
+                fig.update(streams_run(url, args.streams))
+            finally:
+                stop_server(proc)
+            rows[c].append(fig)
+            print(f"round {r} cap {c}: " + ", ".join(f"{k} {v:.4g}" for k, v in fig.items()), flush=True)
+    cmd = "python benchmarks/prefill_cap.py " + " ".join(sys.argv[1:])
+    text = fmt(rows, caps, args.limit, args.length_scale, args.streams) + "\n\n" + _docs.footer(cmd)
+    _docs.publish(text, "SERVING.md", "prefill-cap", args.docs)
+
+
+if __name__ == "__main__":
+    main()
