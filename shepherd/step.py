@@ -153,6 +153,11 @@ class Executor(Protocol):
     # starts in the background and the answer is False; raises when it cannot be compiled.
     def grammar_ready(self, spec: tuple[str, str]) -> bool: ...
 
+    # The served core calls this once it is ready: whatever a first grammar would build before
+    # its compile (the compiler over the vocabulary) is built then, in the background, and not
+    # beside the running streams of the first grammar request.
+    def warm_grammar(self) -> None: ...
+
     # LoRA (issue 28). The scheduler decides which adapters sit in the executor's slots
     # (batch.lora_loads); the executor owns the adapters' weights, so the server asks it:
     # whether adapters can be served at all (--enable-lora / --lora-modules; False: the load and
@@ -186,6 +191,9 @@ class PlainExecutor:
 
     def grammar_ready(self, spec: tuple[str, str]) -> bool:
         return True
+
+    def warm_grammar(self) -> None:
+        pass
 
     def lora_names(self) -> list[str]:
         return []

@@ -232,3 +232,17 @@ def test_masks_filled_beside_the_forward_give_the_same_tokens_on_the_real_model(
     for i in range(4):
         assert serve([i]) == [beside[i]]
     assert tok.decode(beside[0]).startswith('{"name"')       # the schema's row follows its grammar
+
+
+def test_warm_up_builds_the_compiler_in_the_compile_thread_and_compiles_reuse_it(tok):
+    # the served core warms up at start: built on a first grammar request instead, the compiler's
+    # GIL-bound build stretched a running stream's step to 108-120 ms (docs/SERVING.md)
+    masks = GrammarMasks(tok)
+    assert masks.compiler is None
+    masks.warm_up().result(timeout=120)
+    built = masks.compiler
+    assert built is not None
+    spec = ("json_schema", '{"type": "integer"}')
+    assert not masks.prepare(spec)                  # the compile starts in the same thread ...
+    masks.warm_up().result(timeout=120)             # ... so a job queued after it ends after it
+    assert masks.prepare(spec) and masks.compiler is built

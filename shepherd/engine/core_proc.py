@@ -120,6 +120,9 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     log.info("engine core pid %d: cpus %s, torch threads %d", os.getpid(),
              sorted(os.sched_getaffinity(0)), threads)
     conn.send(("ready", served.info, served.tokenizer, copy.copy(served.scheduler.stats())))
+    # now, while the server starts its own grammar worker: built on the first grammar request, the
+    # compiler's GIL-bound build stretched a running stream's step 4x (docs/SERVING.md, "The enum row")
+    served.core.executor.warm_grammar()
     if cfg.watchdog_timeout and cfg.watchdog_timeout > 0:
         start_watchdog(served.core, float(cfg.watchdog_timeout), watchdog_exit(cfg.watchdog_timeout),
                        threading.Event())

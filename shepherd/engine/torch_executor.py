@@ -419,6 +419,10 @@ class TorchExecutor:
         the layer stack in one call."""
         self.model.between_layers = hook
 
+    def warm_grammar(self) -> None:
+        """step.Executor.warm_grammar: the compiler is built in the sampler's background thread."""
+        self.sampler.grammar.warm_up()
+
     def grammar_ready(self, spec: tuple[str, str]) -> bool:
         """step.Executor.grammar_ready: compiles in the sampler's background thread."""
         return self.sampler.grammar.prepare(spec)

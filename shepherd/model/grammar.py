@@ -231,6 +231,15 @@ class GrammarMasks:
                 self.compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size or vocab_size)
             return self.compiler
 
+    def warm_up(self) -> Future:
+        """Build the compiler now, in the compile thread, before any request needs it. Its first
+        build (xgrammar's TokenizerInfo over the whole vocabulary, ~0.9 s here) holds the GIL for
+        up to ~84 ms at a time; built on a grammar request's arrival it stretched a running
+        stream's step to 108-120 ms (docs/SERVING.md, "The enum row")."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="shepherd-grammar", initializer=_lower_priority)
+        return self._pool.submit(self._compiler_for, None)
+
     def prepare(self, spec: tuple[str, str]) -> bool:
         """True once `spec` is compiled; else starts (or keeps) its compile in a background
         thread and returns False. Raises GrammarError when the compile failed."""
