@@ -236,9 +236,12 @@ class GrammarMasks:
         build (xgrammar's TokenizerInfo over the whole vocabulary, ~0.9 s here) holds the GIL for
         up to ~84 ms at a time; built on a grammar request's arrival it stretched a running
         stream's step to 108-120 ms (docs/SERVING.md, "The enum row")."""
+        return self._compile_pool().submit(self._compiler_for, None)
+
+    def _compile_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="shepherd-grammar", initializer=_lower_priority)
-        return self._pool.submit(self._compiler_for, None)
+        return self._pool
 
     def prepare(self, spec: tuple[str, str]) -> bool:
         """True once `spec` is compiled; else starts (or keeps) its compile in a background
@@ -247,10 +250,7 @@ class GrammarMasks:
         if fut is None:
             if self.compiler is not None and self.compiler.cached(spec):
                 return True
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="shepherd-grammar",
-                                                initializer=_lower_priority)
-            self._pending[spec] = fut = self._pool.submit(lambda: self._compiler_for(None).compile(spec))
+            self._pending[spec] = fut = self._compile_pool().submit(lambda: self._compiler_for(None).compile(spec))
         if not fut.done():
             return False
         del self._pending[spec]

@@ -286,7 +286,9 @@ def build_engine(args, eng_cfg: EngineConfig):
     from shepherd.engine.core_proc import pin
     from shepherd.engine.engine import Engine
     pin(parse_cpu_list(args.cpu_bind), eng_cfg.num_threads)
-    return Engine(eng_cfg)
+    engine = Engine(eng_cfg)
+    engine.core.executor.warm_grammar()     # as the core process does once it is ready (core_proc.py)
+    return engine
 
 
 def main(args) -> int:
