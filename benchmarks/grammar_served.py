@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from _docs import write_block  # noqa: E402
 from _openai_client import fixed_concurrency, json_schema_format, questions  # noqa: E402
-from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
 
 SERVED_NAME = "smollm2-135m"
 WORKLOADS = ("openai-64", "json-64")
@@ -101,6 +101,7 @@ def main() -> int:
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--write", action="store_true", help="write the table into docs/BENCHMARKS.md")
     a = ap.parse_args()
+    exit_on_sigterm()     # a cut-off run still stops the servers it started
     checkout = Path(a.checkout).resolve()
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True,
                          text=True).stdout.strip() or checkout.name

@@ -111,6 +111,8 @@ def main() -> int:
     ap.add_argument("--servers", default="shepherd", help="comma-separated, run one after the other: shepherd, vllm")
     ap.add_argument("--cache", default=str(ROOT / ".cache" / "peers"), help="where benchmarks/_peer_envs.py installed vLLM")
     a = ap.parse_args()
+    from shepherd.bench.loadgen import exit_on_sigterm
+    exit_on_sigterm()     # a cut-off run still stops the servers it started
     import httpx
 
     from shepherd.bench import loadgen

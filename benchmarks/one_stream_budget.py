@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _docs import footer, publish  # noqa: E402
 from _openai_client import children, fixed_concurrency, questions  # noqa: E402
 from proc_sampler import cpu_io  # noqa: E402
-from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
 from shepherd.bench.metrics_poll import parse_prometheus  # noqa: E402
 
 NAME = "smollm2-135m"
@@ -77,6 +77,7 @@ def main() -> int:
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
     ap.add_argument("--docs", action="store_true")
     a = ap.parse_args()
+    exit_on_sigterm()     # a cut-off run still stops the servers it started
     if a.docs and a.streams != 1:
         ap.error("--docs writes the one-stream table: run it without --streams")
     port = free_port()

@@ -677,6 +677,8 @@ def main() -> int:
     ap.add_argument("--install-only", action="store_true")
     ap.add_argument("--hf-worker", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    from shepherd.bench.loadgen import exit_on_sigterm
+    exit_on_sigterm()     # a cut-off run still stops the servers it started
     if a.hf_worker:
         return hf_worker(*a.hf_worker)
 

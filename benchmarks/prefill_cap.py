@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 
 import _docs  # noqa: E402
 from _openai_client import fixed_concurrency, questions  # noqa: E402
-from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
 
 TRACE = os.path.join(ROOT, "shepherd", "data", "azure_llm_2023", "AzureLLMInferenceTrace_conv.csv")
 SERVED = "smollm2-135m"
@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--logs", default=tempfile.gettempdir())
     ap.add_argument("--docs", action="store_true", help="write the table into docs/SERVING.md")
     args = ap.parse_args()
+    exit_on_sigterm()     # a cut-off run still stops the servers it started
     caps = [int(c) for c in args.caps.split(",") if c]
     rows: dict = {c: [] for c in [0] + caps}
     for r in range(args.rounds):

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from _openai_client import fixed_concurrency, questions  # noqa: E402
-from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
 
 SERVED_NAME = "smollm2-135m"
 
@@ -59,6 +59,7 @@ def main() -> int:
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
     ap.add_argument("--out", default=None, help="write every sample here (JSON)")
     args = ap.parse_args()
+    exit_on_sigterm()     # a cut-off run still stops the servers it started
     streams = [int(x) for x in args.streams.split(",") if x.strip()]
     names = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
     servers = {}

@@ -38,7 +38,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from shepherd.bench.loadgen import free_port, stop_server  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server  # noqa: E402
 
 MARK_BEGIN, MARK_END = "<!-- stall-attacks:begin -->", "<!-- stall-attacks:end -->"
 INNOCENT_PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -403,6 +403,7 @@ def main() -> None:
     ap.add_argument("--section", default="", help="with --write: the markers stall-attacks-SECTION (a second "
                     "table in the same file, e.g. gateway, before)")
     args = ap.parse_args()
+    exit_on_sigterm()     # a cut-off run still stops the servers it started
     every = attacks()
     chosen = [a for a in args.attacks.split(",") if a]
     url, procs = launch(args)

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from shepherd.bench.loadgen import free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
 
 MARK_BEGIN, MARK_END = "<!-- threads-contention:begin -->", "<!-- threads-contention:end -->"
 DEFAULT_VARIANTS = [
@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--logs", default="/tmp")
     ap.add_argument("--write", default=None, help="docs file to write the table into (between its markers)")
     args = ap.parse_args()
+    exit_on_sigterm()     # a cut-off run still stops the servers it started
     args.hogs = [int(x) for x in args.hogs.split(",") if x]
     rows = []
     for v in args.variant or DEFAULT_VARIANTS:

@@ -30,7 +30,6 @@ import gc
 import os
 import platform
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -272,7 +271,8 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # run the finally blocks: no server left behind
+    from shepherd.bench.loadgen import exit_on_sigterm
+    exit_on_sigterm()     # a cut-off run still stops the servers it started
     if args.quick:
         args.streams, args.max_tokens = "1,8", 32
     streams = [int(x) for x in args.streams.split(",") if x]

@@ -363,3 +363,30 @@ def test_wait_healthy_fails_fast_when_the_server_process_dies():
     assert _time.monotonic() - t0 < 5
     with pytest.raises(RuntimeError, match="127.0.0.1:9 not healthy"):
         loadgen.wait_healthy("http://127.0.0.1:9", None, timeout=0.1)
+
+
+def test_a_benchmark_cut_off_by_sigterm_still_stops_the_server_it_started():
+    # `timeout` or a cancelled job sends SIGTERM; a server started in its own session (as every
+    # served benchmark starts `shepherd serve`) must not be left running when the benchmark dies
+    import signal
+    import subprocess
+    script = (
+        "import subprocess, sys\n"
+        "from shepherd.bench.loadgen import exit_on_sigterm, stop_server\n"
+        "exit_on_sigterm()\n"
+        "server = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+        " start_new_session=True)\n"
+        "try:\n"
+        "    print(server.pid, flush=True)\n"
+        "    sys.stdin.read()\n"          # the benchmark's work: blocks until SIGTERM
+        "finally:\n"
+        "    stop_server(server)\n")
+    root = str(Path(__file__).resolve().parents[1])
+    bench = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": root})
+    server_pid = int(bench.stdout.readline())
+    os.kill(bench.pid, signal.SIGTERM)
+    assert bench.wait(60) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):     # stopped and reaped, not orphaned
+        os.kill(server_pid, 0)

@@ -100,6 +100,16 @@ def stop_server(proc) -> None:
             proc.wait()
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a CI job's cancel, kill) ends this process as Ctrl-C would: through
+    its `finally` blocks. Python's default SIGTERM action skips them, and a server started with
+    start_new_session=True is not in our process group, so it was left serving (one sat on its
+    port for an hour after a benchmark was cut off by `timeout`)."""
+    import signal
+    import sys
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def wait_healthy(url: str, proc=None, timeout: float = 600.0, what: str = "the server") -> None:
     """Poll GET url/health until it answers 200; raise if `proc` (a Popen) exits first or
     `timeout` seconds pass, so a server that dies at start-up fails fast with its exit code."""
