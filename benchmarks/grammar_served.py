@@ -31,19 +31,15 @@ sys.path.insert(0, str(HERE.parent))
 
 from _docs import write_block  # noqa: E402
 from _openai_client import fixed_concurrency, json_schema_format, questions  # noqa: E402
-from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, start_server, stop_server, wait_healthy  # noqa: E402
 
 SERVED_NAME = "smollm2-135m"
 WORKLOADS = ("openai-64", "json-64")
 
 
 def start(checkout: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--served-model-name", SERVED_NAME,
-           "--log-level", "warning", *extra]
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    proc = subprocess.Popen(cmd, cwd=checkout, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
+    return start_server(["--served-model-name", SERVED_NAME, "--log-level", "warning", *extra], cwd=str(checkout),
+                        env={**os.environ, "PYTHONPATH": str(checkout)})
 
 
 def run(url: str, workload: str, streams: int, max_tokens: int) -> dict:

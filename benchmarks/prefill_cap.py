@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 
 import _docs  # noqa: E402
 from _openai_client import fixed_concurrency, questions  # noqa: E402
-from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, start_server, stop_server, wait_healthy  # noqa: E402
 
 TRACE = os.path.join(ROOT, "shepherd", "data", "azure_llm_2023", "AzureLLMInferenceTrace_conv.csv")
 SERVED = "smollm2-135m"
@@ -43,11 +43,8 @@ FLAG = "--max-prefill-tokens-with-decodes"
 
 
 def serve(cap: int, log: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--served-model-name", SERVED,
-           "--log-level", "warning"] + ([FLAG, str(cap)] if cap else [])
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(["--served-model-name", SERVED, "--log-level", "warning",
+                              *([FLAG, cap] if cap else [])], cwd=ROOT, log=log)
     wait_healthy(url, proc, what=f"shepherd serve {FLAG} {cap}")
     return proc, url
 

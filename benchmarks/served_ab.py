@@ -28,18 +28,14 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from _openai_client import fixed_concurrency, questions  # noqa: E402
-from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, start_server, stop_server, wait_healthy  # noqa: E402
 
 SERVED_NAME = "smollm2-135m"
 
 
 def start(checkout: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    py = checkout / ".venv" / "bin" / "python"
-    cmd = [str(py), "-m", "shepherd", "serve", "--port", str(port), "--served-model-name", SERVED_NAME,
-           "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, cwd=checkout, start_new_session=True, stdout=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
+    return start_server(["--served-model-name", SERVED_NAME, "--log-level", "warning", *extra], cwd=str(checkout),
+                        python=str(checkout / ".venv" / "bin" / "python"))
 
 
 def measure(url: str, c: int, max_tokens: int) -> float:

@@ -149,31 +149,22 @@ async def attacker(url: str, path: str, body: bytes, timeout: float) -> tuple[st
     return status, time.perf_counter() - t0
 
 
-def longest_gap(chunks: list, t0: float, t1: float) -> float:
-    """Longest gap between two chunks of one stream that ends inside [t0, t1] (or the first after t1)."""
-    best = 0.0
-    for (k0, a), (k1, b) in zip(chunks, chunks[1:]):
-        if k0 == k1 and b >= t0 and a <= t1:
-            best = max(best, b - a)
-    return best
-
-
-def held_after_gap(chunks: list, t0: float, t1: float, close: float = 0.005) -> tuple[float, float, int]:
-    """The longest gap of longest_gap (its length, its start from t0) and how many chunks of that
-    stream came right after it, each within `close` s of the one before. A burst there means the
-    tokens were made while the gap lasted and held on their way (a relay's event loop, a proxy);
-    none means they were made late (the engine's step)."""
-    best, at, held = 0.0, 0.0, 0
+def longest_gap(chunks: list, t0: float, t1: float, close: float = 0.005) -> tuple[float, int]:
+    """The longest gap between two chunks of one stream that ends inside [t0, t1] (or the first
+    after t1), and how many chunks of that stream came right after it, each within `close` s of the
+    one before. A burst there means the tokens were made while the gap lasted and held on their
+    way (a relay's event loop, a proxy); none means they were made late (the engine's step)."""
+    best, held = 0.0, 0
     for i, ((k0, a), (k1, b)) in enumerate(zip(chunks, chunks[1:])):
         if k0 == k1 and b >= t0 and a <= t1 and b - a > best:
-            best, at, held, last = b - a, a - t0, 0, b
+            best, held, last = b - a, 0, b
             for k, t in chunks[i + 2:]:
                 if k != k1:
                     continue
                 if t - last > close:
                     break
                 held, last = held + 1, t
-    return best, at, held
+    return best, held
 
 
 def p99(xs: list) -> float:
@@ -216,12 +207,13 @@ async def window(url: str, model: str, attack, repeat: int, max_tokens: int, tim
     await asyncio.gather(hp, inn, *load, return_exceptions=True)
     lat = [d for t, d in health if t1 >= t >= t0 or (t < t0 <= t + d)]
     gaps = [b - a for (k0, a), (k1, b) in zip(chunks, chunks[1:]) if k0 == k1]
+    gap_max, held = longest_gap(chunks, t0, t1)
     counts: dict = {}
     for s in statuses:
         counts[s] = counts.get(s, 0) + 1
     return {"statuses": counts, "window_s": t1 - t0, "health_p99": p99(lat), "health_max": max(lat, default=0.0),
-            "gap_max": longest_gap(chunks, t0, t1), "gap_median": statistics.median(gaps) if gaps else 0.0,
-            "held_after_gap": held_after_gap(chunks, t0, t1)[2],
+            "gap_max": gap_max, "gap_median": statistics.median(gaps) if gaps else 0.0,
+            "held_after_gap": held,
             "answer_s": [d for _, d in answers], "t0": t0, "wall0": wall0, "t1": t1, "t_end": t_end,
             "chunks": [(k, t) for k, t in chunks if t0 - 1.0 <= t <= t_end],
             "all_chunks": chunks}     # --dump: every chunk, so a chunk's place in its stream is known

@@ -85,6 +85,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(args, *, cwd: str, python: Optional[str] = None, env: Optional[dict] = None,
+                 log: Optional[str] = None):
+    """`python -m shepherd serve --port P ARGS` from `cwd` (the checkout it imports), in a
+    session of its own so stop_server takes its engine core with it; stdout and stderr to `log`
+    (default: discarded). Returns (the Popen, its URL) at once: wait_healthy(url, proc) waits."""
+    import subprocess
+    port = free_port()
+    cmd = [python or sys.executable, "-m", "shepherd", "serve", "--port", str(port), *map(str, args)]
+    out = open(log, "w") if log else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT if log else None)
+    finally:
+        if log:
+            out.close()     # the child holds its own copy
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def stop_server(proc) -> None:
     """SIGTERM the process group of a server this process started (start_new_session=True),
     SIGKILL after 30 s; returns once it has exited."""
