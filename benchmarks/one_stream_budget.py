@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import resource
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _docs import footer, publish  # noqa: E402
 from _openai_client import children, fixed_concurrency, questions  # noqa: E402
 from proc_sampler import cpu_io  # noqa: E402
-from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, start_server, stop_server, wait_healthy  # noqa: E402
 from shepherd.bench.metrics_poll import parse_prometheus  # noqa: E402
 
 NAME = "smollm2-135m"
@@ -80,11 +79,8 @@ def main() -> int:
     exit_on_sigterm()     # a cut-off run still stops the servers it started
     if a.docs and a.streams != 1:
         ap.error("--docs writes the one-stream table: run it without --streams")
-    port = free_port()
-    cmd = [sys.executable, "-m", "shepherd", "serve", "--port", str(port), "--admission", "optimistic",
-           "--served-model-name", NAME, "--log-level", "warning", *a.serve_arg]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(["--admission", "optimistic", "--served-model-name", NAME, "--log-level", "warning",
+                              *a.serve_arg], cwd=ROOT)
     rows = []
     try:
         wait_healthy(url, proc, timeout=600)

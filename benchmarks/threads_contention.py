@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from shepherd.bench.loadgen import exit_on_sigterm, free_port, stop_server, wait_healthy  # noqa: E402
+from shepherd.bench.loadgen import exit_on_sigterm, start_server, stop_server, wait_healthy  # noqa: E402
 
 MARK_BEGIN, MARK_END = "<!-- threads-contention:begin -->", "<!-- threads-contention:end -->"
 DEFAULT_VARIANTS = [
@@ -106,13 +106,8 @@ async def sequential(url: str, n: int, max_tokens: int) -> float:
 def measure(args, variant: str) -> dict:
     from _openai_client import fixed_concurrency, questions
     name, extra, env = parse_variant(variant)
-    port = free_port()
-    log = open(os.path.join(args.logs, f"threads-{name}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "shepherd", "serve", "--port", str(port),
-                             "--max-total-tokens", "16384", "--log-level", "info"] + extra,
-                            cwd=ROOT, env=dict(os.environ, **env), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(["--max-total-tokens", "16384", "--log-level", "info"] + extra, cwd=ROOT,
+                             env=dict(os.environ, **env), log=os.path.join(args.logs, f"threads-{name}.log"))
     out = {"name": name, "variant": variant}
     try:
         wait_healthy(url, proc, timeout=300, what=name)
@@ -145,13 +140,12 @@ async def _model(url: str) -> str:
 
 
 def table(rows: list, hogs: list, tokens: int) -> str:
-    head = (f"| variant | {tokens} tokens quiet | " + " | ".join(f"with {n} hog{'s' * (n > 1)}" for n in hogs)
-            + " | 64 streams quiet |")
-    lines = [head, "|---|---:|" + "---:|" * len(hogs) + "---:|"]
+    heads = [f"{tokens} tokens quiet"] + [f"with {n} hog{'s' * (n > 1)}" for n in hogs] + ["64 streams quiet"]
+    lines = ["| variant | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
     for r in rows:
-        cells = [f"{r[f'hogs{n}']:.2f} s ({r[f'hogs{n}'] / r['quiet']:.1f}x)" for n in hogs]
-        lines.append(f"| {r['name']} (`{r['variant'].partition('=')[2] or 'defaults'}`) | {r['quiet']:.2f} s | "
-                     + " | ".join(cells) + f" | {r['tok_s_64']:.0f} tok/s |")
+        cells = ([f"{r['quiet']:.2f} s"] + [f"{r[f'hogs{n}']:.2f} s ({r[f'hogs{n}'] / r['quiet']:.1f}x)" for n in hogs]
+                 + [f"{r['tok_s_64']:.0f} tok/s"])
+        lines.append(f"| {r['name']} (`{r['variant'].partition('=')[2] or 'defaults'}`) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
