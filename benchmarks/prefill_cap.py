@@ -1,8 +1,10 @@
-"""What `--max-prefill-tokens-with-decodes` costs and buys when nobody attacks: a real trace's
-shape and 64 streams, served, with the cap off and on, taking turns (A B A B).
+"""What `--max-prefill-tokens-with-decodes` (a token cap) and `--max-prefill-ms-with-decodes` (a time
+budget the engine counts in tokens) cost and buy when nobody attacks: a real trace's shape and 64
+streams, served, with the bound off and on, taking turns (A B A B).
 
     python benchmarks/prefill_cap.py                          # caps 16,32 against off, 2 rounds
     python benchmarks/prefill_cap.py --caps 32 --rounds 2 --docs   # also write the table into docs/SERVING.md
+    python benchmarks/prefill_cap.py --caps "" --ms 30 --docs --mark prefill-ms   # the time budget
 
 Each (setting, round) starts its own `shepherd serve` (the real model, the engine core in
 its own process) and runs on it:
@@ -40,12 +42,21 @@ from shepherd.bench.loadgen import exit_on_sigterm, start_server, stop_server, w
 TRACE = os.path.join(ROOT, "shepherd", "data", "azure_llm_2023", "AzureLLMInferenceTrace_conv.csv")
 SERVED = "smollm2-135m"
 FLAG = "--max-prefill-tokens-with-decodes"
+MS_FLAG = "--max-prefill-ms-with-decodes"
+OFF = "off"
 
 
-def serve(cap: int, log: str) -> tuple[subprocess.Popen, str]:
-    proc, url = start_server(["--served-model-name", SERVED, "--log-level", "warning",
-                              *([FLAG, cap] if cap else [])], cwd=ROOT, log=log)
-    wait_healthy(url, proc, what=f"shepherd serve {FLAG} {cap}")
+def settings(caps: str, ms: str) -> dict:
+    """label -> the serve arguments of that setting; `off` first (neither bound)."""
+    out = {OFF: []}
+    out.update({f"{FLAG} {c}": [FLAG, c] for c in caps.split(",") if c})
+    out.update({f"{MS_FLAG} {m}": [MS_FLAG, m] for m in ms.split(",") if m})
+    return out
+
+
+def serve(label: str, extra: list, log: str) -> tuple[subprocess.Popen, str]:
+    proc, url = start_server(["--served-model-name", SERVED, "--log-level", "warning", *extra], cwd=ROOT, log=log)
+    wait_healthy(url, proc, what=f"shepherd serve ({label})")
     return proc, url
 
 
@@ -69,18 +80,20 @@ def streams_run(url: str, n: int) -> dict:
     return {"s_ttft_p50": res["ttft_p50"], "s_tok_s": res["tok_s"]}
 
 
-def fmt(rows: dict, caps: list, limit: int, scale: float, n: int) -> str:
+def fmt(rows: dict, limit: int, scale: float, n: int) -> str:
     med = {c: {k: statistics.median(r[k] for r in rows[c]) for k in rows[c][0]} for c in rows}
-    out = [f"| `{FLAG}` | trace TTFT p50 / p99 | trace ITL p50 / p99 | trace out tok/s | "
+    out = [f"| setting | trace TTFT p50 / p99 | trace ITL p50 / p99 | trace out tok/s | "
            f"{n} streams TTFT p50 | {n} streams tok/s | rounds |",
            "|---|---:|---:|---:|---:|---:|---:|"]
-    for c in [0] + caps:
+    for c in rows:
         m = med[c]
-        out.append(f"| {c or 'off (0)'} | {m['ttft_p50'] * 1e3:.0f} / {m['ttft_p99'] * 1e3:.0f} ms | "
+        out.append(f"| {'off' if c == OFF else '`' + c + '`'} | {m['ttft_p50'] * 1e3:.0f} / {m['ttft_p99'] * 1e3:.0f} ms | "
                    f"{m['itl_p50'] * 1e3:.1f} / {m['itl_p99'] * 1e3:.1f} ms | {m['output_tok_s']:.1f} | "
                    f"{m['s_ttft_p50'] * 1e3:.0f} ms | {m['s_tok_s']:.0f} | {len(rows[c])} |")
-    for c in caps:
-        a, b = med[0], med[c]
+    for c in rows:
+        if c == OFF:
+            continue
+        a, b = med[OFF], med[c]
         out.append(f"\nOn {c} / off (medians): trace TTFT p50 {b['ttft_p50'] / a['ttft_p50']:.2f}x, p99 "
                    f"{b['ttft_p99'] / a['ttft_p99']:.2f}x; ITL p99 {b['itl_p99'] / a['itl_p99']:.2f}x; "
                    f"{n} streams TTFT {b['s_ttft_p50'] / a['s_ttft_p50']:.2f}x, tok/s {b['s_tok_s'] / a['s_tok_s']:.3f}x.")
@@ -92,7 +105,9 @@ def fmt(rows: dict, caps: list, limit: int, scale: float, n: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--caps", default="16,32", help=f"{FLAG} values measured against off")
+    ap.add_argument("--caps", default="16,32", help=f"{FLAG} values measured against off ('' for none)")
+    ap.add_argument("--ms", default="", help=f"{MS_FLAG} values measured against off")
+    ap.add_argument("--mark", default="prefill-cap", help="the docs/SERVING.md block --docs rewrites")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--limit", type=int, default=150, help="trace requests per run (the first N: ~45 s of it)")
@@ -102,22 +117,24 @@ def main() -> None:
     ap.add_argument("--docs", action="store_true", help="write the table into docs/SERVING.md")
     args = ap.parse_args()
     exit_on_sigterm()     # a cut-off run still stops the servers it started
-    caps = [int(c) for c in args.caps.split(",") if c]
-    rows: dict = {c: [] for c in [0] + caps}
+    sets = settings(args.caps, args.ms)
+    labels = list(sets)
+    rows: dict = {c: [] for c in labels}
     for r in range(args.rounds):
-        order = [0] + caps if r % 2 == 0 else caps + [0]
+        order = labels if r % 2 == 0 else labels[1:] + labels[:1]
         for c in order:
-            proc, url = serve(c, os.path.join(args.logs, f"prefill_cap_{c}_{r}.log"))
+            name = "_".join(str(x).strip("-") for x in sets[c]) or OFF
+            proc, url = serve(c, sets[c], os.path.join(args.logs, f"prefill_cap_{name}_{r}.log"))
             try:
                 fig = trace_run(url, args)
                 fig.update(streams_run(url, args.streams))
             finally:
                 stop_server(proc)
             rows[c].append(fig)
-            print(f"round {r} cap {c}: " + ", ".join(f"{k} {v:.4g}" for k, v in fig.items()), flush=True)
+            print(f"round {r} {c}: " + ", ".join(f"{k} {v:.4g}" for k, v in fig.items()), flush=True)
     cmd = "python benchmarks/prefill_cap.py " + " ".join(sys.argv[1:])
-    text = fmt(rows, caps, args.limit, args.length_scale, args.streams) + "\n\n" + _docs.footer(cmd)
-    _docs.publish(text, "SERVING.md", "prefill-cap", args.docs)
+    text = fmt(rows, args.limit, args.length_scale, args.streams) + "\n\n" + _docs.footer(cmd)
+    _docs.publish(text, "SERVING.md", args.mark, args.docs)
 
 
 if __name__ == "__main__":

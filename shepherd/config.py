@@ -5,6 +5,7 @@ Names follow docs/DESIGN.md ("Scheduling: what the seeds ask for, by name").
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -120,6 +121,11 @@ class SchedulerConfig:
     # waits for (docs/SERVING.md, "The enum row"); a step with no decodes still takes
     # max_num_tokens. Trades the newcomers' time to first token for the running streams' gaps.
     max_prefill_tokens_with_decodes: int = 0
+    # the same bound as a time: prompt tokens beside decodes add at most about this many
+    # milliseconds to the step (0 = off). The engine core turns it into a token count from the
+    # steps it measures (engine/prefill_budget.py) and hands the scheduler that number; with the
+    # token cap set too, the smaller applies. A time means the same on a CPU and on a GPU.
+    max_prefill_ms_with_decodes: float = 0.0
     # optimistic admission: SGLang's new_token_ratio reserve for growth
     new_token_ratio_init: float = 0.7
     new_token_ratio_min: float = 0.1
@@ -171,6 +177,9 @@ class SchedulerConfig:
         if self.max_prefill_tokens_with_decodes < 0:
             raise ConfigError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = off), "
                               f"got {self.max_prefill_tokens_with_decodes}")
+        ms = self.max_prefill_ms_with_decodes
+        if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0):
+            raise ConfigError(f"max_prefill_ms_with_decodes must be a finite number >= 0 (0 = off), got {ms!r}")
         if self.decode_first_prefill_every > 0 and self.multi_step > 1:
             raise ConfigError("decode_first_prefill_every and multi_step each choose a step shape "
                               "(LightLLM decode-first, vLLM v0.6 multi-step); set one of them")

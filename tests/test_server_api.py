@@ -522,6 +522,7 @@ def test_serve_config_errors_exit_2(args, needle):
     (["--max-batch-size", "0"], "max_batch_size must be >= 1"),
     (["--max-num-tokens", "0"], "max_num_tokens must be >= 1"),
     (["--max-prefill-tokens-with-decodes", "-1"], "max_prefill_tokens_with_decodes must be >= 0"),
+    (["--max-prefill-ms-with-decodes", "-1"], "max_prefill_ms_with_decodes must be a finite number >= 0"),
     (["--policy", "fcfs", "--max-queue", "0"], "max_queue must be >= 1"),
     (["--speculative-config", '{"method": "draft_model", "model": "/no/such/draft.gguf"}'],
      "draft model path '/no/such/draft.gguf' does not exist"),

@@ -418,3 +418,6 @@ def test_simulate_takes_the_prefill_cap_beside_decodes():
     cfg = sim_cli.scheduler_config(p.parse_args(["--out", "o", "--max-prefill-tokens-with-decodes", "32"]))
     assert cfg.max_prefill_tokens_with_decodes == 32
     assert sim_cli.scheduler_config(p.parse_args(["--out", "o"])).max_prefill_tokens_with_decodes == 0
+    cfg = sim_cli.scheduler_config(p.parse_args(["--out", "o", "--max-prefill-ms-with-decodes", "25"]))
+    assert cfg.max_prefill_ms_with_decodes == 25.0
+    assert sim_cli.scheduler_config(p.parse_args(["--out", "o"])).max_prefill_ms_with_decodes == 0.0

@@ -199,6 +199,12 @@ def _cache_rows(s: dict) -> list[tuple[str, str]]:
     if cache:
         rows.append(("KV cached (evictable)", f"peak {_fmt(cache.get('cached_peak_tokens'))} tokens; evicted "
                                              f"{_fmt(cache.get('evicted_tokens'))} tokens"))
+    budgets = [r for r in s.get("replicas") or () if "prefill_budget_tokens" in r]
+    if budgets:
+        rows.append(("prefill budget beside decodes", "   ".join(
+            f"r{r.get('replica')} {_fmt(r['prefill_budget_tokens'])} tokens"
+            + (f" ({r['prefill_token_s'] * 1e3:.3f} ms a prompt token)" if r.get("prefill_token_s") is not None
+               else " (no prefill seen)") for r in budgets)))
     bal = s.get("balance")
     if bal:
         rows.append(("load max/mean", "   ".join(f"{k} {v:.2f}" for k, v in bal.items() if v is not None)))

@@ -20,13 +20,18 @@ rules they used to write each their own way are kept here, once:
     on_step sees the end;
   - inside a multi-step window (vLLM v0.6) the outputs are held and handed
     out together at the window's end, as vLLM processes a window's outputs
-    after its last step.
+    after its last step;
+  - with --max-prefill-ms-with-decodes set, every step that ran feeds its
+    decode tokens, prompt tokens and end - start to the core's PrefillBudget
+    (prefill_budget.py), and the scheduler is handed its token count before
+    the next schedule(): one estimate for serve and the simulator alike.
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, NamedTuple, Optional, Protocol
 
+from shepherd.engine.prefill_budget import PrefillBudget
 from shepherd.request import RequestOutput
 from shepherd.scheduler.scheduler import Scheduler
 from shepherd.step import Executor, ScheduledBatch, StepResult
@@ -97,10 +102,16 @@ class EngineCore:
         self.step_started: Optional[float] = None    # monotonic start of the execute in progress (watchdog)
         self.num_steps = 0
         self._held: list[RequestOutput] = []          # a multi-step window's outputs, until its end
+        cfg = scheduler.cfg
+        ms = cfg.max_prefill_ms_with_decodes
+        self.prefill_budget = PrefillBudget(ms, cfg.max_num_tokens) if ms > 0 else None
 
     def step(self, now: float) -> Step:
         sched = self.scheduler
         t0 = time.perf_counter()
+        budget = self.prefill_budget
+        if budget is not None:
+            sched.prefill_budget = budget.tokens
         batch = sched.schedule(now)
         if batch.empty:
             outs = self._hand_out(sched.on_step(batch, StepResult(), now), hold=False)
@@ -115,6 +126,8 @@ class EngineCore:
         finally:
             self.step_started = None
         t2 = time.perf_counter()
+        if budget is not None:
+            budget.observe(*sched.last_work, end - start)
         outs = sched.on_step(batch, result, end)
         self.num_steps += 1
         outs = self._hand_out(outs, hold=sched.in_window)

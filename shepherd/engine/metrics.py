@@ -164,9 +164,10 @@ class StepLogger:
         if st.last_prefill_seqs:
             self.log.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                "#running-req: %d, #queue-req: %d",
+                "#running-req: %d, #queue-req: %d%s",
                 st.last_prefill_seqs, st.last_prefill_tokens, st.last_cached_tokens, usage,
-                st.num_running, st.num_waiting + st.num_swapped)
+                st.num_running, st.num_waiting + st.num_swapped,
+                f", #prefill-budget: {st.prefill_budget}" if st.prefill_budget else "")
         if st.last_decode_seqs:
             self._decode_steps += 1
             if self._decode_steps % self.every == 0:

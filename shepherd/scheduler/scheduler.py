@@ -30,7 +30,8 @@ Step shape: with mixed steps (the default, vLLM) every running decode gets
 its token first, then prefill chunks and admissions fill the rest of
 max_num_tokens, at most max_prefill_tokens_with_decodes of them when set
 (Sarathi-Serve's budget: a step the running streams wait for carries a
-bounded prefill); a step that had to preempt for decode KV admits nothing.
+bounded prefill), or at most prefill_budget, the engine's count from a time
+budget (--max-prefill-ms-with-decodes), whichever is smaller; a step that had to preempt for decode KV admits nothing.
 Otherwise (or under a mode that never mixes) a step is a prefill step
 (decodes wait) or a decode step. A request is admitted only when its whole
 known sequence gets KV slots at once, so a chunked prefill never runs out of
@@ -87,6 +88,11 @@ class Scheduler:
         self._finished: list[str] = []      # ended since the last batch that ran: batch.finished
         self._deferred_outputs: list[RequestOutput] = []   # terminal outputs made inside schedule()
         self._horizon_memo: Optional[tuple] = None         # (state key, horizon with finishing)
+        # prompt tokens a step that carries decodes may take, from --max-prefill-ms-with-decodes: the
+        # engine derives it from measured step times (engine/prefill_budget.py) and sets it before
+        # each schedule(); a number, so no clock is read here. 0 = none. With the token cap set too,
+        # the smaller applies.
+        self.prefill_budget = 0
 
     # ------------------------------------------------------------------ views
     @property
@@ -113,6 +119,13 @@ class Scheduler:
     @property
     def new_token_ratio(self) -> float:
         return self.ratio.value
+
+    @property
+    def last_work(self) -> tuple[int, int]:
+        """The last schedule()'s (decode tokens, prompt tokens): its decode rows with their drafts,
+        and the prompt tokens it computes (prefix-cache hits excluded)."""
+        s = self._stats
+        return s.last_decode_seqs + s.last_draft_tokens, s.last_prefill_tokens
 
     @property
     def in_window(self) -> bool:
@@ -330,6 +343,9 @@ class Scheduler:
         q = self.queues
         budget = cfg.max_num_tokens
         cap = cfg.max_prefill_tokens_with_decodes
+        timed = self.prefill_budget
+        if timed and (not cap or timed < cap):
+            cap = timed
         if with_decodes and cap:
             # the running streams wait for this step: its prompt tokens are capped (Sarathi-Serve's
             # budget), the rest of a chunked prompt goes on in the next steps
@@ -583,6 +599,7 @@ class Scheduler:
         s.kv_used = self.capacity - s.kv_free - s.kv_evictable
         s.kv_host_used = self.kv.host_used
         s.new_token_ratio = self.ratio.value
+        s.prefill_budget = self.prefill_budget
         s.num_prefilling = sum(1 for e in q.running if e.in_prefill())
         ad = self.adapters
         s.max_lora = ad.max_loras

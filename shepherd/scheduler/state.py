@@ -47,6 +47,7 @@ class SchedulerStats:
     last_prefill_tokens: int = 0
     last_cached_tokens: int = 0
     last_decode_seqs: int = 0
+    prefill_budget: int = 0           # Scheduler.prefill_budget: the time budget's prompt tokens (0 = none)
     num_prefilling: int = 0           # running requests whose prompt is not fully computed
     kv_peak_used: int = 0             # max kv_used seen at the end of any schedule()
     kv_host_capacity: int = 0

@@ -83,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--max-num-tokens. Bounds the running streams' gap when many requests are admitted "
                         "at once, at some cost to the newcomers' time to first token (docs/SERVING.md, "
                         "'The enum row'); 0 = off (default %(default)s)")
+    k.add_argument("--max-prefill-ms-with-decodes", type=float, default=s.max_prefill_ms_with_decodes,
+                   metavar="MS",
+                   help="the same bound as a time: the prompt tokens of a step that carries running decodes "
+                        "add about MS milliseconds to it at most; the engine turns MS into a token count from "
+                        "the step times it measures (so it adapts to the hardware: a flat GPU gets "
+                        "--max-num-tokens). With --max-prefill-tokens-with-decodes too, the smaller count "
+                        "applies; 0 = off (default %(default)s)")
     k.add_argument("--max-concurrency", type=int, default=s.max_concurrency,
                    help="requests in the system (running + waiting); beyond: 429")
     k.add_argument("--max-queue", type=int, default=s.max_queue, help="requests waiting; beyond: 429")
@@ -191,6 +198,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     sched = SchedulerConfig(
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+        max_prefill_ms_with_decodes=args.max_prefill_ms_with_decodes,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
         admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
         prefix_cache=not args.no_prefix_cache, speculative=SpeculativeConfig.from_json(args.speculative_config),

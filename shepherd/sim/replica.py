@@ -281,7 +281,15 @@ class Replica:
                 "output_tokens": self.output_tokens, "kv_peak_used_tokens": self.kv_peak,
                 "cached_peak_tokens": self.cached_peak, "evicted_tokens": self.sched.kv.evicted_tokens,
                 "steps": self.steps, "busy_s": self.busy, "gpu": self.label, "role": self.role, "group": self.group,
-                "kv_capacity_tokens": self.kv_capacity}
+                "kv_capacity_tokens": self.kv_capacity, **self._prefill_budget()}
+
+    def _prefill_budget(self) -> dict:
+        """--max-prefill-ms-with-decodes: the token count its steps gave at the end, and the
+        seconds a prompt token added to a step (engine/prefill_budget.py); nothing when off."""
+        b = self.core.prefill_budget
+        if b is None:
+            return {}
+        return {"prefill_budget_tokens": b.tokens, "prefill_token_s": b.per_token_s}
 
     def _charge(self, step_time: float) -> float:
         """A step's time on the virtual clock: the step shape's window cost of the cost

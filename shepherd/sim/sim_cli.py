@@ -34,6 +34,9 @@ def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--max-num-tokens", type=int, default=s.max_num_tokens)
     k.add_argument("--max-prefill-tokens-with-decodes", type=int, default=s.max_prefill_tokens_with_decodes,
                    help="prompt tokens in a step that carries running decodes, at most (0 = off)")
+    k.add_argument("--max-prefill-ms-with-decodes", type=float, default=s.max_prefill_ms_with_decodes,
+                   help="the same as a time: prompt tokens beside decodes add about MS ms to a step, the "
+                        "count derived from the cost model's step times as serve derives it (0 = off)")
     k.add_argument("--max-concurrency", type=int, default=s.max_concurrency)
     k.add_argument("--max-queue", type=int, default=s.max_queue)
     k.add_argument("--page-size", type=int, default=s.page_size)
@@ -179,6 +182,7 @@ def scheduler_config(args) -> SchedulerConfig:
         max_total_tokens=args.max_total_tokens or SchedulerConfig.max_total_tokens,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+        max_prefill_ms_with_decodes=args.max_prefill_ms_with_decodes,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, page_size=args.page_size,
         admission=args.admission, preemption=args.preemption, victim=args.victim, policy=args.policy,
         prefix_cache=not args.no_prefix_cache, mixed_steps=not args.no_mixed_steps,
