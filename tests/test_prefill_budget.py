@@ -9,7 +9,7 @@ import math
 import pytest
 
 from shepherd.config import ConfigError, SchedulerConfig
-from shepherd.engine.prefill_budget import FLOOR_TOKENS, PrefillBudget
+from shepherd.engine.prefill_budget import FLOOR_TOKENS, PROBE_TOKENS, PrefillBudget
 from shepherd.engine.sim_executor import SimExecutor
 from shepherd.request import Request, SamplingParams
 from shepherd.scheduler.scheduler import Scheduler
@@ -35,10 +35,12 @@ def feed(budget, model, d, p):
 def test_budget_converges_to_ms_over_the_prompt_token_cost():
     m = cpu_like()
     b = PrefillBudget(ms=30.0, max_tokens=2048)
-    assert b.tokens == 0                                   # nothing seen: no cap
+    assert b.tokens == PROBE_TOKENS                        # nothing seen: a probe's worth
     for d in (1, 2, 3, 1, 2, 3, 4):
         feed(b, m, d, 0)
-    assert b.tokens == 0                                   # decodes only: still no cap
+    assert b.tokens == PROBE_TOKENS                        # decodes only: still the probe
+    feed(b, m, 2, 3)
+    assert b.tokens == PROBE_TOKENS                        # 3 prompt tokens: too few to time
     for i in range(30):
         feed(b, m, 1 + i % 3, (5, 40, 120, 16)[i % 4])
         feed(b, m, 1 + i % 4, 0)
@@ -216,3 +218,21 @@ def test_the_simulator_honours_the_time_budget_on_a_burst_of_admissions():
     assert "prefill_budget_tokens" not in rep_off
     assert FLOOR_TOKENS < rep_on["prefill_budget_tokens"] < 2048
     assert on < 0.5 * off
+
+
+def test_a_first_burst_before_any_prompt_was_timed_is_probed_then_bounded():
+    """Issue 31's enum row: the stream's own prompt ran before any decode (nothing to compare it
+    with), so the ten arrive before a prompt token was ever timed. The first step beside the decode
+    takes PROBE_TOKENS, and the ones after it the measured budget: no 340-token step."""
+    m = cpu_like()
+    s = Scheduler(SchedulerConfig(max_total_tokens=1 << 16, max_batch_size=64, max_prefill_ms_with_decodes=30.0),
+                  max_model_len=8192)
+    ex = SimExecutor(kv_capacity=1 << 16, check=True, step_time=step_model(m))
+    dec = mk("dec", [5] * 12, max_tokens=200)
+    burst = [mk(f"p{i}", [6 + i] * 34, max_tokens=2, arrival=1.0) for i in range(10)]
+    steps = []
+    run_offline(s, ex, [dec, *burst],
+                observer=lambda b, o, t0, t1: steps.append((t0, s.last_work[0], s.last_work[1], s.prefill_budget)))
+    beside = [st for st in steps if st[0] >= 1.0 and st[1] and st[2]]
+    assert beside[0][2] == PROBE_TOKENS and beside[0][3] == PROBE_TOKENS
+    assert all(24 <= st[3] <= 25 and st[2] <= st[3] for st in beside[1:])

@@ -3,7 +3,7 @@ the steps this engine has measured (`--max-prefill-ms-with-decodes MS`).
 
     budget = PrefillBudget(ms=30.0, max_tokens=2048)
     budget.observe(decode_tokens, prompt_tokens, seconds)   # EngineCore.step, after each step that ran
-    budget.tokens          # 0 (no cap) until a prefill has been seen; then in [floor, max_tokens]
+    budget.tokens          # PROBE_TOKENS until a prefill has been measured; then in [floor, max_tokens]
 
 Why a time and not a token count. The running streams wait for every step; what a burst of
 admissions costs them is the time its prompt tokens add to the step they ride in. A token cap
@@ -40,10 +40,14 @@ predicted decode step, whichever is more, so a c near zero can still grow). A la
 thread governor down to one thread) still moves the estimate: every sample pulls it up to OUTLIER
 x the old value, and the old samples fade within ~10 prefill steps.
 
-Until a prefill is seen (MIN_PROMPT_TOKENS prompt tokens over steps whose decode-only time is
-known), there is no cap: the first burst after start, before any prompt has run beside a known
-decode step, is not capped. The scheduler never sees any of this: it reads the number
-(Scheduler.prefill_budget), as it reads its config.
+Until a prefill is measured (MIN_PROMPT_TOKENS prompt tokens over steps whose decode-only time
+is known) the count is PROBE_TOKENS: the first step that admits prompts beside decodes is a probe
+whose time measures c, and the next step already has a budget. Why not "no cap until measured":
+a server's first burst is exactly the case this is for (issue 31's enum row: the innocent
+stream's second prompt is a prefix-cache hit of 1 token, so ten requests arrived before any
+prompt token had been timed, and the uncapped 340-token step was the whole gap); on a flat
+machine the probe costs one small extra step once, after which c is near zero. The scheduler
+never sees any of this: it reads the number (Scheduler.prefill_budget), as it reads its config.
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ import math
 from typing import Optional
 
 FLOOR_TOKENS = 8          # the smallest budget: a prompt always makes progress beside decodes
+PROBE_TOKENS = 16         # the count before any prompt token was timed: a step that measures c
 DECODE_KEEP = 0.95        # weight kept per decode-only step (~20 steps remembered)
 PREFILL_KEEP = 0.9        # weight kept per step with prompt tokens (~10 steps remembered)
 MIN_DECODE_STEPS = 3      # decode-only steps before their time is predicted
@@ -60,7 +65,7 @@ OUTLIER = 2.0             # a sample counts at most this many times its predicti
 
 class PrefillBudget:
     """The prompt tokens a step that carries decodes may take so that they add about `ms`
-    milliseconds to it, from the step times observed. `tokens` is 0 (no cap) until known."""
+    milliseconds to it, from the step times observed. `tokens` is PROBE_TOKENS until known."""
 
     __slots__ = ("limit_s", "max_tokens", "floor", "tokens", "per_token_s",
                  "_w", "_sd", "_sdd", "_st", "_sdt", "_n_dec", "_se", "_sp")
@@ -71,7 +76,7 @@ class PrefillBudget:
         self.limit_s = ms / 1000.0
         self.max_tokens = int(max_tokens)
         self.floor = max(1, min(int(floor), self.max_tokens))
-        self.tokens = 0                          # the budget handed to the scheduler; 0 = none yet
+        self.tokens = min(PROBE_TOKENS, self.max_tokens)    # the count handed to the scheduler
         self.per_token_s: Optional[float] = None # c: seconds a prompt token adds to a step
         # decode-only steps: weighted sums of 1, d, d^2, t, d*t
         self._w = self._sd = self._sdd = self._st = self._sdt = 0.0
