@@ -3,13 +3,15 @@ the real tokenizer and xgrammar, random logits standing in for the model."""
 from __future__ import annotations
 
 import json
+import sys
 
 import jsonschema
 import pytest
 import torch
 
 from shepherd.model.constraints import bias_tensors, apply_constraints
-from shepherd.model.grammar import GrammarCompiler, GrammarError, GrammarMasks, check_schema, choice_ebnf
+from shepherd.model.grammar import (ENUM_TRIE_CHARS, GrammarCompiler, GrammarError, GrammarMasks, check_schema,
+                                    choice_ebnf, encoded_vocab, enum_trie_ebnf, large_string_enum)
 from shepherd.model.loader import load_tokenizer
 from shepherd.model.sampler import Sampler, SamplingState
 from shepherd.request import SamplingParams
@@ -108,16 +110,77 @@ def test_matcher_state_is_rebuilt_from_tokens_after_rollback_and_on_a_fresh_exec
     assert torch.equal(torch.isinf(rolled), torch.isinf(fresh))
 
 
-def test_choice_trie_accepts_exactly_the_choices(tok):
+def _accepts(compiled, tok, text: str) -> bool:
+    """A matcher of `compiled` takes `text`'s tokens and then a stop token (the text is complete)."""
     import xgrammar as xgr
-    choices = ["yes", "no", "yesterday", "n", "caf\u00e9 \"q\"", "yes sir"] + [f"item {i}" for i in range(300)]
+    m = xgr.GrammarMatcher(compiled)
+    return all(m.accept_token(t) for t in tok.encode(text)) and m.accept_token(tok.eos_token_ids[0])
+
+
+def test_choice_trie_accepts_exactly_the_choices(tok):
+    # the emoji: a JSON surrogate pair in the EBNF (json.dumps' default) is read by xgrammar as two
+    # code points, and the choice could never be written
+    choices = ["yes", "no", "yesterday", "n", "caf\u00e9 \"q\"", "\U0001F600 ok", "yes sir"] + [f"item {i}" for i in range(300)]
     ebnf = choice_ebnf(choices)
-    assert ebnf.count("::=") < 120                 # shared prefixes are factored, not 306 alternatives
+    assert ebnf.count("::=") < 120                 # shared prefixes are factored, not 307 alternatives
     compiled = GrammarCompiler.for_tokenizer(tok).compile(("choice", json.dumps(choices)))
-    for text, ok in [(c, True) for c in choices[:8]] + [("ye", False), ("yess", False), ("item 3000", False)]:
-        m = xgr.GrammarMatcher(compiled)
-        accepted = all(m.accept_token(t) for t in tok.encode(text))
-        assert (accepted and m.accept_token(tok.eos_token_ids[0])) == ok, text
+    for text, ok in [(c, True) for c in choices[:9]] + [("ye", False), ("yess", False), ("item 3000", False)]:
+        assert _accepts(compiled, tok, text) == ok, text
+
+
+# values a trie must keep apart: prefixes of each other ("a", "ab", "abc"), JSON escapes (quote,
+# backslash, tab, DEL), non-ASCII (an emoji, U+2028), the empty string; then enough plain values
+# for the enum to pass ENUM_TRIE_CHARS (and stay under the size where xgrammar's flat alternation
+# turns slow, so the flat reference compiles fast here)
+TRICKY = ["a", "ab", "abc", "caf\u00e9 \"q\"", "back\\slash", "tab\there", "del\x7f", "\U0001F600", "\u2028",
+          "x/y", "it's", ""]
+ENUM = TRICKY + [f"value-{i}-of-the-list" for i in range(2400)]
+
+
+def test_large_string_enum_compiles_as_a_trie_that_accepts_exactly_the_enum(tok):
+    """Issue 31's enum row: a 5,000-value enum took 3.3-6.5 s to compile as xgrammar's one flat
+    alternation, at the server's 5 s budget. A large string enum is compiled as a trie of the same
+    JSON-encoded literals, wherever it sits (a property, $defs through $ref, array items, anyOf),
+    and accepts exactly what the flat one accepts."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["v"], "$defs": {"E": {"enum": ENUM}},
+              "properties": {"v": {"enum": ENUM}, "w": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/E"}},
+                             "x": {"anyOf": [{"enum": ENUM}, {"type": "integer"}]}}}
+    assert sum(len(json.dumps(v)) for v in ENUM) >= ENUM_TRIE_CHARS
+    text = json.dumps(schema)
+    ebnf = enum_trie_ebnf(text)
+    # no rule is the 2,412-way alternation any more: each trie node branches a few ways
+    assert ebnf is not None and max(line.count(" | ") for line in ebnf.splitlines()) < 40
+    spec = ("json_schema", text)
+    trie = GrammarCompiler.for_tokenizer(tok).compile(spec)
+    flat = GrammarCompiler(encoded_vocab(tok, tok.vocab_size), tok.eos_token_ids, enum_trie_chars=sys.maxsize).compile(spec)
+    assert "_trie" in str(trie.grammar) and "_trie" not in str(flat.grammar)
+
+    def obj(**kw):       # as xgrammar writes JSON: non-ASCII raw, DEL escaped
+        return json.dumps(kw, ensure_ascii=False, separators=(", ", ": ")).replace("\x7f", "\\u007f")
+    members = TRICKY + ENUM[len(TRICKY)::173]
+    cases = [(obj(v=v), True) for v in members] + [
+        (obj(v="a", w=["ab", "\U0001F600"], x="abc"), True),
+        (obj(v="a", x=12), True),
+        (obj(v="value-99999-of-the-list"), False),           # not a member
+        (obj(v="value-12-of-the"), False),                   # a member's prefix that is not a member
+        (obj(v="abcd"), False), (obj(v="ab "), False),       # a member and more
+        (obj(v="a", w=["abx"]), False), (obj(v="a", x="value-1"), False),
+        ('{"v": "\\u0061"}', False),                        # "a" spelled with an escape: not how JSON encodes it
+        ('{"v": "caf\u00e9 "q""}', False),                   # the quote not escaped
+        ('{"v": "tab\there"}', False),                       # a raw tab: JSON escapes it
+    ]
+    for case, ok in cases:
+        assert (_accepts(trie, tok, case), _accepts(flat, tok, case)) == (ok, ok), case
+
+
+def test_enums_left_to_xgrammar_small_or_not_all_strings(tok):
+    """A small enum, or one with a value that is not a string, is compiled from the schema as before."""
+    mixed = {"type": "object", "properties": {"v": {"enum": ENUM + [7]}}}
+    assert not large_string_enum(mixed) and enum_trie_ebnf(json.dumps(mixed)) is None
+    assert not large_string_enum(SCHEMAS[2]) and large_string_enum({"items": {"enum": ENUM}})
+    assert not large_string_enum({"default": {"enum": ENUM}})        # data, not a schema
+    compiler = GrammarCompiler.for_tokenizer(tok)
+    assert "_trie" not in str(compiler.compile(("json_schema", json.dumps(SCHEMAS[2]))).grammar)
 
 
 def test_grammar_check_budgets_and_cached_verdicts(tok):
@@ -128,8 +191,9 @@ def test_grammar_check_budgets_and_cached_verdicts(tok):
 
     from shepherd.server.common import APIError
     from shepherd.server.grammar_check import GrammarCheck
+    # not all strings, so xgrammar's flat alternation of 5,001 values: seconds to compile
     enum = ("json_schema", json.dumps({"type": "object", "properties": {"v": {
-        "enum": [f"value-{i}-of-the-list" for i in range(5000)]}}}))
+        "enum": [f"value-{i}-of-the-list" for i in range(5000)] + [0]}}}))
 
     async def main():
         gc = GrammarCheck(tok, timeout=0.5, max_bytes=150_000)

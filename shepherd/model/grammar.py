@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,8 +54,9 @@ class GrammarError(ValueError):
     """The spec cannot be compiled or uses a construct the engine does not enforce."""
 
 
-def check_schema(schema: Any, path: str = "$") -> None:
-    """Raise GrammarError naming the first construct that would not be enforced."""
+def _schema_nodes(schema: Any, path: str = "$"):
+    """Every schema object in `schema` (dicts, with where they are), not the data inside const,
+    enum, default, examples, description or title, and a property named like a keyword is a name."""
     stack = [(schema, path)]
     while stack:
         node, where = stack.pop()
@@ -63,18 +65,25 @@ def check_schema(schema: Any, path: str = "$") -> None:
             continue
         if not isinstance(node, dict):
             continue
+        yield node, where
         for key, val in node.items():
-            if key in _UNSUPPORTED:
-                raise GrammarError(f"unsupported JSON schema construct '{key}' at {where}")
-            if key == "$ref" and not (isinstance(val, str) and val.startswith("#")):
-                raise GrammarError(f"unsupported JSON schema construct '$ref' to {val!r} at {where} "
-                                   "(only local '#/...' references)")
             if key in _DATA_KEYS:
                 continue
             if key in _SCHEMA_MAPS and isinstance(val, dict):
                 stack.extend((v, f"{where}.{key}.{k}") for k, v in val.items())
             elif isinstance(val, (dict, list)):
                 stack.append((val, f"{where}.{key}"))
+
+
+def check_schema(schema: Any, path: str = "$") -> None:
+    """Raise GrammarError naming the first construct that would not be enforced."""
+    for node, where in _schema_nodes(schema, path):
+        for key, val in node.items():
+            if key in _UNSUPPORTED:
+                raise GrammarError(f"unsupported JSON schema construct '{key}' at {where}")
+            if key == "$ref" and not (isinstance(val, str) and val.startswith("#")):
+                raise GrammarError(f"unsupported JSON schema construct '$ref' to {val!r} at {where} "
+                                   "(only local '#/...' references)")
 
 
 def encoded_vocab(tokenizer, vocab_size: int) -> list[str]:
@@ -90,9 +99,12 @@ class GrammarCompiler:
     """Spec -> compiled grammar, cached; thread-safe. Built from a tokenizer, or from its
     encoded vocabulary (what a worker process receives: a tokenizer does not pickle)."""
 
-    def __init__(self, vocab: list[str], stop_token_ids: Sequence[int], cache_size: int = 256):
+    def __init__(self, vocab: list[str], stop_token_ids: Sequence[int], cache_size: int = 256,
+                 enum_trie_chars: Optional[int] = None):
         import xgrammar as xgr
         self.xgr = xgr
+        # a json_schema string enum this large compiles as a trie (benchmarks pass sys.maxsize: flat)
+        self.enum_trie_chars = ENUM_TRIE_CHARS if enum_trie_chars is None else enum_trie_chars
         self.vocab_size = len(vocab)
         info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=self.vocab_size,
                                  stop_token_ids=list(stop_token_ids))
@@ -124,24 +136,31 @@ class GrammarCompiler:
 
     def _compile(self, kind: str, text: str):
         c = self._compiler
-        check_spec((kind, text))
+        value = check_spec((kind, text))
         try:
             if kind == "json_schema":
+                # a large string enum: the same grammar with the enum as a trie; every other schema
+                # is compiled as it always was
+                big = large_string_enum(value, self.enum_trie_chars)
+                ebnf = enum_trie_ebnf(text, self.enum_trie_chars) if big else None
+                if ebnf is not None:
+                    return c.compile_grammar(ebnf)
                 return c.compile_json_schema(text, strict_mode=True, any_whitespace=False)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
             if kind == "regex":
                 return c.compile_regex(text)
             if kind == "choice":
-                return c.compile_grammar(choice_ebnf(json.loads(text)))
+                return c.compile_grammar(choice_ebnf(value))
             return c.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(_short(e)) from None
 
 
-def check_spec(spec: tuple[str, str]) -> None:
+def check_spec(spec: tuple[str, str]) -> Any:
     """The checks that need no compiler: a known kind, JSON that parses, no schema construct
-    that would be silently ignored. Raises GrammarError."""
+    that would be silently ignored. Raises GrammarError; returns the parsed JSON (None for the
+    kinds that are not JSON)."""
     kind, text = spec
     if kind not in KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
@@ -155,20 +174,23 @@ def check_spec(spec: tuple[str, str]) -> None:
             check_schema(value)
         elif not isinstance(value, list) or not value:
             raise GrammarError("choice must be a non-empty list of strings")
+        return value
+    return None
 
 
-def choice_ebnf(choices: Sequence) -> str:
-    """An EBNF grammar accepting exactly one of `choices`, factored as a trie: xgrammar compiles
-    10,000 choices in 0.1 s this way, and in 13 s as 10,000 alternatives of one rule."""
+def trie_rules(strings: Sequence[str], root: str, prefix: str) -> list[str]:
+    """EBNF rules accepting exactly one of `strings`, factored as a trie: `root ::= ...` first, the
+    rest named `{prefix}N`. xgrammar compiled 10,000 guided_choice strings in 0.1 s this way, and
+    in 13 s as 10,000 alternatives of one rule. Literals keep every character but JSON's escapes raw:
+    xgrammar reads a JSON surrogate pair (\\ud83d\\ude00) as two code points, not one emoji."""
     trie: dict = {}
-    for choice in choices:
+    for s in strings:
         node = trie
-        for ch in str(choice):
+        for ch in s:
             node = node.setdefault(ch, {})
-        node[""] = {}                       # a choice ends here
-    rules: list[str] = []
+        node[""] = {}                       # a string ends here
+    rules: list[str] = [""]
     todo = [(trie, 0)]
-    rules.append("")
     while todo:
         node, idx = todo.pop()
         alts = []
@@ -181,13 +203,90 @@ def choice_ebnf(choices: Sequence) -> str:
                 (nxt, sub), = sub.items()
                 lit += nxt
             if list(sub) == [""]:
-                alts.append(json.dumps(lit))
+                alts.append(json.dumps(lit, ensure_ascii=False))
             else:
                 rules.append("")
                 todo.append((sub, len(rules) - 1))
-                alts.append(f"{json.dumps(lit)} c{len(rules) - 1}")
-        rules[idx] = f"c{idx} ::= " + " | ".join(alts)
-    return "root ::= c0\n" + "\n".join(rules)
+                alts.append(f"{json.dumps(lit, ensure_ascii=False)} {prefix}{len(rules) - 1}")
+        rules[idx] = f"{root if idx == 0 else prefix + str(idx)} ::= " + " | ".join(alts)
+    return rules
+
+
+def choice_ebnf(choices: Sequence) -> str:
+    """An EBNF grammar accepting exactly one of `choices` (a trie, trie_rules)."""
+    return "\n".join(trie_rules([str(c) for c in choices], "root", "c"))
+
+
+# A json_schema string enum whose values take at least this many characters (JSON-encoded, quotes
+# included) compiles as a trie (enum_trie_ebnf). xgrammar compiles one flat alternation of literals
+# faster than the trie up to ~95,000 characters (4,000 values: 0.11-0.15 s against 0.21-0.35 s) and
+# falls off a cliff past it (5,000 values, 119,000 characters: 3.3-3.6 s against 0.20-0.31 s; and its
+# masks inside the string cost 0.17 ms a row against 0.002 ms): benchmarks/enum_compile.py, docs/SERVING.md.
+# Half the cliff, for margin: where it lies is xgrammar's, not ours.
+ENUM_TRIE_CHARS = 50_000
+
+# xgrammar's EBNF text: a rule body that is only string literals, ("lit") | ("lit") | ...
+_LIT = r'\("((?:[^"\\]|\\.)*)"\)'
+_LITERAL_ALTS = re.compile(rf"\({_LIT}(?: \| {_LIT})*\)")
+_LITERAL = re.compile(_LIT)
+_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|(.))", re.S)
+_SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "'": "'", "n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f",
+                   "v": "\v", "a": "\a", "0": "\0"}
+
+
+def large_string_enum(schema: Any, min_chars: int = ENUM_TRIE_CHARS) -> bool:
+    """Whether some schema object in `schema` is an enum of strings only whose JSON-encoded values
+    take at least `min_chars` characters."""
+    return any(isinstance(e := node.get("enum"), list) and all(isinstance(v, str) for v in e)
+               and sum(len(json.dumps(v, ensure_ascii=False)) for v in e) >= min_chars
+               for node, _ in _schema_nodes(schema))
+
+
+def enum_trie_ebnf(schema_text: str, min_chars: int = ENUM_TRIE_CHARS) -> Optional[str]:
+    """xgrammar's own EBNF for a JSON schema (strict, no free whitespace: what compile_json_schema
+    compiles), each rule made only of JSON-string literals (a string enum, each value already
+    encoded as xgrammar writes it) of `min_chars` characters or more replaced by a trie of the
+    same literals: the same language (benchmarks/enum_compile.py: the time). None when no rule
+    qualifies."""
+    import xgrammar as xgr
+    text = str(xgr.Grammar.from_json_schema(schema_text, strict_mode=True, any_whitespace=False))
+    lines = text.splitlines()
+    names = {ln.split(" ::= ", 1)[0] for ln in lines}
+    out, tries, changed = [], [], False
+    for ln in lines:
+        name, _, body = ln.partition(" ::= ")
+        lits = _string_literals(body) if len(body) >= min_chars else None     # the text bounds the values
+        if lits is None or sum(map(len, lits)) < min_chars:
+            out.append(ln)
+            continue
+        prefix = f"{name}_trie"
+        while any(n.startswith(prefix) for n in names):     # never a name xgrammar already uses
+            prefix += "_"
+        rules = trie_rules(lits, name, prefix)
+        out.append(rules[0])
+        tries.extend(rules[1:])
+        changed = True
+    return "\n".join(out + tries) if changed else None
+
+
+def _string_literals(body: str) -> Optional[list[str]]:
+    """The literals of a rule body made only of JSON-string literals (each starting and ending with
+    a quote), unescaped; None for any other body, or for an escape this reader does not know."""
+    if not _LITERAL_ALTS.fullmatch(body):
+        return None
+    try:
+        lits = [_ESCAPE.sub(_unescape, raw) for raw in _LITERAL.findall(body)]
+        for lit in lits:
+            lit.encode("utf-8")         # a lone surrogate would not reach xgrammar intact
+    except (KeyError, UnicodeEncodeError):
+        return None
+    return lits if all(len(lit) >= 2 and lit[0] == lit[-1] == '"' for lit in lits) else None
+
+
+def _unescape(m: "re.Match") -> str:
+    """One escape of xgrammar's EBNF text (KeyError: one this reader does not know)."""
+    code = m.group(1) or m.group(2) or m.group(3)
+    return chr(int(code, 16)) if code else _SIMPLE_ESCAPES[m.group(4)]
 
 
 def _short(e: Exception) -> str:
