@@ -99,6 +99,12 @@ class PrefillBudget:
             b = 0.0                # more rows never make a step faster; noise can say so
         return mean_t + b * (d - mean_d)
 
+    def observe_decodes(self, decode_tokens: int, times) -> None:
+        """Several decode-only steps of one batch, in order (the simulator's fast path, which
+        takes them without EngineCore.step): the same as observing each."""
+        for t in (times.tolist() if hasattr(times, "tolist") else times):
+            self.observe(decode_tokens, 0, t)
+
     def observe(self, decode_tokens: int, prompt_tokens: int, seconds: float) -> int:
         """One step that ran; returns the budget after it (also `tokens`)."""
         d, p = decode_tokens, prompt_tokens

@@ -487,14 +487,17 @@ class Replica:
             # short runs: a Python loop beats numpy's call overhead (same IEEE operations)
             f = self.cost.decode_step_time
             ends = []
+            times = []
             t = now
             c = ctx0
             for _ in range(k):
                 if t >= t_limit:      # this step would start at or after the next arrival
                     break
-                t += f(n, c)
+                dt = f(n, c)
+                t += dt
                 c += n
                 ends.append(t)
+                times.append(dt)
             k = len(ends)
         else:
             d = self.cost.decode_step_times(n, ctx0, k)
@@ -503,8 +506,14 @@ class Replica:
                 # steps must start before t_limit: step j starts at ends[j-1] (step 0 at now < t_limit)
                 k = int(np.searchsorted(ends, t_limit, side="left")) + 1
                 ends = ends[:k]
+            times = d[:k]
         if k < 2:
             return False
+        budget = self.core.prefill_budget
+        if budget is not None:
+            # the steps taken here are decode-only steps EngineCore.step would have timed: the time
+            # budget's decode fit sees them too (with the fast path on, nearly every decode step is one)
+            budget.observe_decodes(n, times)
         tokens = exe.token_blocks([(r.req_id, len(r.output_ids)) for r in running], k)
         if self.batches is not None:
             for j in range(k):
