@@ -13,7 +13,9 @@ worker and the engine core both use it):
 Each timed compile uses strings no compile before it saw (the first letter changes, the length
 does not), so neither shepherd's cache nor xgrammar's answers it. Mask cost: GrammarMasks.fill of
 ten requests (the enum row's ten), each at a different token inside its value's string (where the
-old enum row spent ~3 ms a row), median over --steps fills. Prints a markdown table; --docs writes
+old enum row spent ~3 ms a row), median over --steps fills. Longest pause: of a thread waking every
+1 ms while the compile runs (the engine core compiles in a thread beside its step: a pause there,
+the GIL held, is a gap in every stream), the largest over the rounds. Prints a markdown table; --docs writes
 it into docs/SERVING.md.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 
 from shepherd.bench.loadgen import exit_on_sigterm
@@ -40,10 +43,25 @@ def schema(n: int, first: str = "v") -> str:
                                                                       for i in range(n)]}}})
 
 
-def compile_s(compiler: GrammarCompiler, text: str) -> float:
+def compile_s(compiler: GrammarCompiler, text: str) -> tuple[float, float]:
+    """(seconds, the longest pause of a thread that wakes every 1 ms meanwhile): in the engine core
+    the compile runs in a thread beside the step's, and a pause there is a pause of every stream."""
+    stop, worst = threading.Event(), [0.0]
+
+    def tick():
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            worst[0], last = max(worst[0], now - last), now
+    ticker = threading.Thread(target=tick)
+    ticker.start()
     t0 = time.perf_counter()
     compiler.compile(("json_schema", text))
-    return time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    stop.set()
+    ticker.join()
+    return took, worst[0]
 
 
 def fill_ms(tok, compiler: GrammarCompiler, n: int, steps: int) -> float:
@@ -83,18 +101,22 @@ def main() -> None:
     trie = GrammarCompiler(vocab, stops, enum_trie_chars=1)
     firsts = iter("wxyzabcdefghijklmnopqrstu")
     rows = ["| values | characters | flat compile (s) | trie compile (s) | flat / trie | default | "
-            f"mask fill, {ROWS} rows, flat | trie |", "|---:|---:|---:|---:|---:|---|---:|---:|"]
+            f"mask fill, {ROWS} rows, flat | trie | longest pause beside the compile, flat | trie |",
+            "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for n in a.sizes:
-        times = {"flat": [], "trie": []}
+        times, pauses = {"flat": [], "trie": []}, {"flat": [], "trie": []}
         for r in range(a.rounds):
             for name, comp in (("flat", flat), ("trie", trie)) if r % 2 == 0 else (("trie", trie), ("flat", flat)):
-                times[name].append(compile_s(comp, schema(n, next(firsts) if r or name == "trie" else "v")))
+                took, pause = compile_s(comp, schema(n, next(firsts) if r or name == "trie" else "v"))
+                times[name].append(took)
+                pauses[name].append(pause)
         f, t = statistics.median(times["flat"]), statistics.median(times["trie"])
         chars = sum(len(json.dumps(v)) for v in json.loads(schema(n))["properties"]["v"]["enum"])
         picks = "trie" if chars >= ENUM_TRIE_CHARS else "flat"
         mf, mt = fill_ms(tok, flat, n, a.steps), fill_ms(tok, trie, n, a.steps)
         rows.append(f"| {n:,} | {chars:,} | {', '.join(f'{x:.3f}' for x in times['flat'])} | "
-                    f"{', '.join(f'{x:.3f}' for x in times['trie'])} | {f / t:.1f}x | {picks} | {mf:.2f} ms | {mt:.2f} ms |")
+                    f"{', '.join(f'{x:.3f}' for x in times['trie'])} | {f / t:.1f}x | {picks} | {mf:.2f} ms | {mt:.2f} ms | "
+                    f"{max(pauses['flat']) * 1e3:.1f} ms | {max(pauses['trie']) * 1e3:.1f} ms |")
         print(rows[-1], flush=True)
     text = "\n".join(rows) + "\n\n" + footer("python benchmarks/enum_compile.py " + " ".join(sys.argv[1:]),
                                              f", ENUM_TRIE_CHARS {ENUM_TRIE_CHARS:,}")

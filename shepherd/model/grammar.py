@@ -182,32 +182,32 @@ def trie_rules(strings: Sequence[str], root: str, prefix: str) -> list[str]:
     """EBNF rules accepting exactly one of `strings`, factored as a trie: `root ::= ...` first, the
     rest named `{prefix}N`. xgrammar compiled 10,000 guided_choice strings in 0.1 s this way, and
     in 13 s as 10,000 alternatives of one rule. Literals keep every character but JSON's escapes raw:
-    xgrammar reads a JSON surrogate pair (\\ud83d\\ude00) as two code points, not one emoji."""
-    trie: dict = {}
-    for s in strings:
-        node = trie
-        for ch in s:
-            node = node.setdefault(ch, {})
-        node[""] = {}                       # a string ends here
+    xgrammar reads a JSON surrogate pair (\\ud83d\\ude00) as two code points, not one emoji.
+    Built from the sorted strings, a list per branching node and no object per character: a
+    dict-per-character trie of 5,000 enum values made the engine core's collector hold the GIL for
+    ~100 ms, a gap in every stream (this runs in the core's compile thread)."""
     rules: list[str] = [""]
-    todo = [(trie, 0)]
+    todo = [(sorted(set(strings)), 0, 0)]       # (strings of a node, sorted; characters consumed; rule)
     while todo:
-        node, idx = todo.pop()
-        alts = []
-        for ch, sub in sorted(node.items()):
-            if ch == "":
-                alts.append('""')
-                continue
-            lit = ch
-            while len(sub) == 1 and "" not in sub:         # a chain without branches: one literal
-                (nxt, sub), = sub.items()
-                lit += nxt
-            if list(sub) == [""]:
-                alts.append(json.dumps(lit, ensure_ascii=False))
+        group, depth, idx = todo.pop()
+        alts, i = [], 0
+        if len(group[0]) == depth:              # a string ends here (it sorts first)
+            alts.append('""')
+            i = 1
+        while i < len(group):
+            ch, j = group[i][depth], i + 1
+            while j < len(group) and group[j][depth] == ch:
+                j += 1
+            branch = group[i:j]                 # the strings that go on with `ch`
+            stem = os.path.commonprefix([branch[0], branch[-1]])    # sorted: first and last bound it
+            lit = json.dumps(stem[depth:], ensure_ascii=False)
+            if len(branch) == 1:
+                alts.append(lit)
             else:
                 rules.append("")
-                todo.append((sub, len(rules) - 1))
-                alts.append(f"{json.dumps(lit, ensure_ascii=False)} {prefix}{len(rules) - 1}")
+                todo.append((branch, len(stem), len(rules) - 1))
+                alts.append(f"{lit} {prefix}{len(rules) - 1}")
+            i = j
         rules[idx] = f"{root if idx == 0 else prefix + str(idx)} ::= " + " | ".join(alts)
     return rules
 
@@ -219,16 +219,14 @@ def choice_ebnf(choices: Sequence) -> str:
 
 # A json_schema string enum whose values take at least this many characters (JSON-encoded, quotes
 # included) compiles as a trie (enum_trie_ebnf). xgrammar compiles one flat alternation of literals
-# faster than the trie up to ~95,000 characters (4,000 values: 0.11-0.15 s against 0.21-0.35 s) and
-# falls off a cliff past it (5,000 values, 119,000 characters: 3.3-3.6 s against 0.20-0.31 s; and its
-# masks inside the string cost 0.17 ms a row against 0.002 ms): benchmarks/enum_compile.py, docs/SERVING.md.
+# a little faster than the trie up to ~95,000 characters (4,000 values: 0.115 s against 0.137 s) and
+# falls off a cliff past it (5,000 values, 119,000 characters: 3.5 s against 0.18-0.21 s; and its
+# masks inside the string cost 0.16 ms a row against 0.002 ms): benchmarks/enum_compile.py, docs/SERVING.md.
 # Half the cliff, for margin: where it lies is xgrammar's, not ours.
 ENUM_TRIE_CHARS = 50_000
 
-# xgrammar's EBNF text: a rule body that is only string literals, ("lit") | ("lit") | ...
-_LIT = r'\("((?:[^"\\]|\\.)*)"\)'
-_LITERAL_ALTS = re.compile(rf"\({_LIT}(?: \| {_LIT})*\)")
-_LITERAL = re.compile(_LIT)
+# xgrammar's EBNF text: a rule body that is only string literals is (("lit") | ("lit") | ...)
+_LITERAL = re.compile(r'\("((?:[^"\\]|\\.)*)"\)')
 _ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|(.))", re.S)
 _SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "'": "'", "n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f",
                    "v": "\v", "a": "\a", "0": "\0"}
@@ -272,10 +270,11 @@ def enum_trie_ebnf(schema_text: str, min_chars: int = ENUM_TRIE_CHARS) -> Option
 def _string_literals(body: str) -> Optional[list[str]]:
     """The literals of a rule body made only of JSON-string literals (each starting and ending with
     a quote), unescaped; None for any other body, or for an escape this reader does not know."""
-    if not _LITERAL_ALTS.fullmatch(body):
+    raws = _LITERAL.findall(body)
+    if body != "(" + " | ".join(f'("{raw}")' for raw in raws) + ")":
         return None
     try:
-        lits = [_ESCAPE.sub(_unescape, raw) for raw in _LITERAL.findall(body)]
+        lits = [_ESCAPE.sub(_unescape, raw) for raw in raws]
         for lit in lits:
             lit.encode("utf-8")         # a lone surrogate would not reach xgrammar intact
     except (KeyError, UnicodeEncodeError):
