@@ -144,11 +144,12 @@ def test_a_trie_of_5000_values_allocates_no_object_per_character():
 
 
 # values a trie must keep apart: prefixes of each other ("a", "ab", "abc"), JSON escapes (quote,
-# backslash, tab, DEL), non-ASCII (an emoji, U+2028), the empty string; then enough plain values
+# backslash, tab, DEL), non-ASCII (an emoji, U+2028), the empty string, values holding the text
+# between two literals of xgrammar's EBNF (`") | ("`); then enough plain values
 # for the enum to pass ENUM_TRIE_CHARS (and stay under the size where xgrammar's flat alternation
 # turns slow, so the flat reference compiles fast here)
 TRICKY = ["a", "ab", "abc", "caf\u00e9 \"q\"", "back\\slash", "tab\there", "del\x7f", "\U0001F600", "\u2028",
-          "x/y", "it's", ""]
+          "x/y", "it's", "", 'q") | ("r', "\\\") | (\""]
 ENUM = TRICKY + [f"value-{i}-of-the-list" for i in range(2400)]
 
 

@@ -219,14 +219,15 @@ def choice_ebnf(choices: Sequence) -> str:
 
 # A json_schema string enum whose values take at least this many characters (JSON-encoded, quotes
 # included) compiles as a trie (enum_trie_ebnf). xgrammar compiles one flat alternation of literals
-# a little faster than the trie up to ~95,000 characters (4,000 values: 0.115 s against 0.137 s) and
-# falls off a cliff past it (5,000 values, 119,000 characters: 3.5 s against 0.18-0.21 s; and its
-# masks inside the string cost 0.16 ms a row against 0.002 ms): benchmarks/enum_compile.py, docs/SERVING.md.
+# a little faster than the trie up to ~95,000 characters (4,000 values: 0.11 s against 0.13 s) and
+# falls off a cliff past it (5,000 values, 119,000 characters: 3.3-3.5 s against 0.18-0.23 s; and its
+# masks inside the string cost 0.15 ms a row against 0.002 ms): benchmarks/enum_compile.py, docs/SERVING.md.
 # Half the cliff, for margin: where it lies is xgrammar's, not ours.
 ENUM_TRIE_CHARS = 50_000
 
-# xgrammar's EBNF text: a rule body that is only string literals is (("lit") | ("lit") | ...)
-_LITERAL = re.compile(r'\("((?:[^"\\]|\\.)*)"\)')
+# xgrammar's EBNF text: a rule body that is only string literals is (("lit") | ("lit") | ...), and
+# a literal's text has no quote but an escaped one
+_LITERAL_TEXT = re.compile(r'(?:[^"\\]|\\.)*', re.S)
 _ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|(.))", re.S)
 _SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "'": "'", "n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f",
                    "v": "\v", "a": "\a", "0": "\0"}
@@ -270,8 +271,12 @@ def enum_trie_ebnf(schema_text: str, min_chars: int = ENUM_TRIE_CHARS) -> Option
 def _string_literals(body: str) -> Optional[list[str]]:
     """The literals of a rule body made only of JSON-string literals (each starting and ending with
     a quote), unescaped; None for any other body, or for an escape this reader does not know."""
-    raws = _LITERAL.findall(body)
-    if body != "(" + " | ".join(f'("{raw}")' for raw in raws) + ")":
+    if not (body.startswith('(("') and body.endswith('"))')):
+        return None
+    # cut at every `") | ("`, then each piece must be a whole literal's text (no unescaped quote):
+    # one regex over a 20,000-value body held the GIL 33 ms, one call per piece lets it go
+    raws = body[3:-3].split('") | ("')
+    if not all(_LITERAL_TEXT.fullmatch(raw) for raw in raws):
         return None
     try:
         lits = [_ESCAPE.sub(_unescape, raw) for raw in raws]

@@ -5,7 +5,7 @@ enforced, before it reaches the engine. Finding that out means compiling it,
 and compiling can take as long as the grammar likes: 10,000 `guided_choice`
 strings took 13 s with xgrammar here as one alternation, a 5,000-value
 json_schema enum 6.5 s (in this niced worker, under load). Both now compile
-as a trie (model/grammar.py): the enum in 0.18-0.21 s against 3.5 s in
+as a trie (model/grammar.py): the enum in 0.18-0.23 s against 3.3-3.5 s in
 process (quiet, Intel Xeon family 6 model 207, 2 cores;
 benchmarks/enum_compile.py). Other grammars can still be slow. So:
 
