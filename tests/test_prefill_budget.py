@@ -258,3 +258,16 @@ def test_the_simulators_fast_path_feeds_the_budget_as_stepping_does():
     assert res.fast_steps > 0                             # the fast path did run
     assert fast == slow and budgets == budgets_slow
     assert all(PROBE_TOKENS < b for b in budgets)          # measured, not stuck at the probe
+
+
+def test_serve_defaults_to_the_time_budget_and_zero_turns_it_off():
+    import argparse
+    from shepherd.config import SERVE_PREFILL_MS
+    from shepherd.server import serve_cli
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    eng, _ = serve_cli.build_configs(p.parse_args([]))
+    assert SERVE_PREFILL_MS == 30.0 and eng.scheduler.max_prefill_ms_with_decodes == SERVE_PREFILL_MS
+    eng, _ = serve_cli.build_configs(p.parse_args(["--max-prefill-ms-with-decodes", "0"]))
+    assert eng.scheduler.max_prefill_ms_with_decodes == 0.0
+    assert SchedulerConfig().max_prefill_ms_with_decodes == 0.0          # the library and simulate: off

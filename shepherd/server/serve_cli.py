@@ -15,7 +15,7 @@ from typing import Optional
 
 from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
                              ConfigError, EngineConfig, KVEventsConfig, LoraConfig, SchedulerConfig, ServerConfig,
-                             SpeculativeConfig)
+                             SERVE_PREFILL_MS, SpeculativeConfig)
 
 EXIT_CONFIG = 2
 
@@ -83,13 +83,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--max-num-tokens. Bounds the running streams' gap when many requests are admitted "
                         "at once, at some cost to the newcomers' time to first token (docs/SERVING.md, "
                         "'The enum row'); 0 = off (default %(default)s)")
-    k.add_argument("--max-prefill-ms-with-decodes", type=float, default=s.max_prefill_ms_with_decodes,
+    k.add_argument("--max-prefill-ms-with-decodes", type=float, default=SERVE_PREFILL_MS,
                    metavar="MS",
                    help="the same bound as a time: the prompt tokens of a step that carries running decodes "
                         "add about MS milliseconds to it at most; the engine turns MS into a token count from "
                         "the step times it measures (so it adapts to the hardware: a flat GPU gets "
                         "--max-num-tokens). With --max-prefill-tokens-with-decodes too, the smaller count "
-                        "applies; 0 = off (default %(default)s)")
+                        "applies. On by default: ten requests admitted at once no longer stall the running "
+                        "streams for one long step, at some cost to their time to first token "
+                        "(docs/SERVING.md, 'The enum row'); 0 = off (default %(default)s)")
     k.add_argument("--max-concurrency", type=int, default=s.max_concurrency,
                    help="requests in the system (running + waiting); beyond: 429")
     k.add_argument("--max-queue", type=int, default=s.max_queue, help="requests waiting; beyond: 429")
