@@ -271,3 +271,13 @@ def test_serve_defaults_to_the_time_budget_and_zero_turns_it_off():
     eng, _ = serve_cli.build_configs(p.parse_args(["--max-prefill-ms-with-decodes", "0"]))
     assert eng.scheduler.max_prefill_ms_with_decodes == 0.0
     assert SchedulerConfig().max_prefill_ms_with_decodes == 0.0          # the library and simulate: off
+
+
+def test_a_decode_line_extrapolated_to_no_rows_never_predicts_negative_time():
+    # decode steps of 10 and 20 rows on a line through -10 ms at 0 rows; a prefill-only step
+    b = PrefillBudget(ms=30.0, max_tokens=2048)
+    for i in range(10):
+        b.observe(10 + 10 * (i % 2), 0, 0.010 + 0.020 * (i % 2))
+    assert b.decode_time(0) == 0.0
+    b.observe(0, 100, 0.120)                               # 100 prompt tokens alone: 1.2 ms each
+    assert b.per_token_s == pytest.approx(0.0012)

@@ -97,7 +97,9 @@ class PrefillBudget:
         b = (self._sdt / w - mean_d * mean_t) / var_d
         if b < 0.0:
             b = 0.0                # more rows never make a step faster; noise can say so
-        return mean_t + b * (d - mean_d)
+        # a line through steps of many rows can cross zero before d = 0 (a prefill-only step):
+        # no step takes negative time, and a negative prediction would turn the excess's clip around
+        return max(0.0, mean_t + b * (d - mean_d))
 
     def observe_decodes(self, decode_tokens: int, times) -> None:
         """Several decode-only steps of one batch, in order (the simulator's fast path, which
