@@ -199,6 +199,25 @@ def test_enums_left_to_xgrammar_small_or_not_all_strings(tok):
     assert "_trie" not in str(compiler.compile(("json_schema", json.dumps(SCHEMAS[2]))).grammar)
 
 
+def test_the_compiled_grammars_a_compiler_holds_are_bounded_in_bytes(tok):
+    """A client sending one distinct large schema after another must not grow the server's memory
+    without bound: xgrammar's own cache, unbounded by default, held 70.8 MB after three distinct
+    5,001-value enums. Ours keeps at most cache_bytes (the newest always), xgrammar's holds no
+    large spec."""
+    def spec(i):
+        return ("json_schema", json.dumps({"type": "object", "properties": {
+            f"v{i}": {"enum": [f"value-{k}-of-the-list" for k in range(1000)] + [0]}}}))
+    vocab = encoded_vocab(tok, tok.vocab_size)
+    one = GrammarCompiler(vocab, tok.eos_token_ids).compile(spec(0)).memory_size_bytes
+    limit = int(2.5 * one)
+    compiler = GrammarCompiler(vocab, tok.eos_token_ids, cache_bytes=limit)
+    for i in range(6):
+        compiler.compile(spec(i))
+        assert compiler.cache_bytes <= limit
+    assert compiler.cached(spec(5)) and compiler.cached(spec(4)) and not compiler.cached(spec(0))
+    assert compiler.compile(spec(5)) is compiler.compile(spec(5))
+
+
 def test_grammar_check_budgets_and_cached_verdicts(tok):
     """Over the size budget: refused without compiling. Over the time budget: refused after it, and
     at once the next time (the verdict is cached); a good spec compiles in the worker process."""
@@ -207,9 +226,9 @@ def test_grammar_check_budgets_and_cached_verdicts(tok):
 
     from shepherd.server.common import APIError
     from shepherd.server.grammar_check import GrammarCheck
-    # not all strings, so xgrammar's flat alternation of 5,001 values: seconds to compile
-    enum = ("json_schema", json.dumps({"type": "object", "properties": {"v": {
-        "enum": [f"value-{i}-of-the-list" for i in range(5000)] + [0]}}}))
+    # eight long strings: seconds to compile (4 of them: 4.9 s on the 2-core CI machine)
+    enum = ("json_schema", json.dumps({"type": "object", "properties": {
+        f"s{i}": {"type": "string", "maxLength": 300_000 + i} for i in range(8)}}))
 
     async def main():
         gc = GrammarCheck(tok, timeout=0.5, max_bytes=150_000)
