@@ -398,6 +398,7 @@ def main() -> None:
     exit_on_sigterm()     # a cut-off run still stops the servers it started
     every = attacks()
     chosen = [a for a in args.attacks.split(",") if a]
+    os.makedirs(args.logs, exist_ok=True)
     url, procs = launch(args)
     pool = multiprocessing.get_context("spawn").Pool(1)
     sampler = sampler_for(procs, args.target, pool, args.logs) if args.profile else None

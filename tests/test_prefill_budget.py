@@ -54,8 +54,30 @@ def test_one_row_count_only_still_gives_the_budget():
     b = PrefillBudget(ms=40.0, max_tokens=2048)
     for _ in range(50):
         feed(b, m, 1, 0)
-    feed(b, m, 1, 13)                                      # one prompt beside it is enough to start
+    feed(b, m, 1, 13)                                      # one prompt beside it is enough to start,
+    assert b.tokens == 2 * PROBE_TOKENS                    # up to twice the probe at first
+    feed(b, m, 1, 13)
     assert b.tokens == int(0.040 / 0.0012)
+
+
+def test_one_cheap_looking_step_does_not_open_the_budget_wide():
+    """Issue 31's stall table at serve's defaults: the decode-only time was raised by the steps
+    the earlier attacks slowed, the 16-token probe then looked cheap, and the next step took 94
+    prompt tokens (a 0.12 s gap, 3.7x). The count at most doubles a prompt step, falls at once."""
+    m = cpu_like()
+    b = PrefillBudget(ms=30.0, max_tokens=2048)
+    for _ in range(20):
+        b.observe(1, 0, m(1, 0) + 0.015)                   # decode steps slowed by a busy spell
+    b.observe(1, PROBE_TOKENS, m(1, PROBE_TOKENS))          # the probe: ~5 ms more than predicted
+    assert b.per_token_s < 0.0005                          # it looks like 60+ tokens would fit in 30 ms
+    assert b.tokens == 2 * PROBE_TOKENS
+    last = b.tokens
+    for i in range(60):                                    # the busy spell over: back to MS / c
+        feed(b, m, 1, 0)
+        feed(b, m, 1, min(b.tokens, 40))
+        assert b.tokens <= 2 * last
+        last = b.tokens
+    assert b.tokens == int(0.030 / 0.0012)
 
 
 def test_a_flat_machine_gets_the_whole_step_budget():

@@ -46,8 +46,14 @@ whose time measures c, and the next step already has a budget. Why not "no cap u
 a server's first burst is exactly the case this is for (issue 31's enum row: the innocent
 stream's second prompt is a prefix-cache hit of 1 token, so ten requests arrived before any
 prompt token had been timed, and the uncapped 340-token step was the whole gap); on a flat
-machine the probe costs one small extra step once, after which c is near zero. The scheduler
-never sees any of this: it reads the number (Scheduler.prefill_budget), as it reads its config.
+machine the probe costs one small extra step once, after which c is near zero. 
+The count grows at most GROWTH (2x) from one step with prompt tokens to the next, and falls at
+once. One step is a noisy measure of c: 16 probe tokens add ~19 ms to a step on the 2-core CPU,
+and a decode-only prediction raised by a busy spell (the stall table's earlier attacks slowed
+the steps they rode in) left that step looking cheap, so the next count was 94 tokens, a 0.12 s
+gap (3.7x), where 16-26 was right; a flat machine reaches max_num_tokens from 16 in 7 such
+steps. The scheduler never sees any of this: it reads the number (Scheduler.prefill_budget),
+as it reads its config.
 """
 from __future__ import annotations
 
@@ -61,6 +67,7 @@ PREFILL_KEEP = 0.9        # weight kept per step with prompt tokens (~10 steps r
 MIN_DECODE_STEPS = 3      # decode-only steps before their time is predicted
 MIN_PROMPT_TOKENS = 8     # prompt tokens seen beside a known decode time before a budget is given
 OUTLIER = 2.0             # a sample counts at most this many times its prediction
+GROWTH = 2.0              # the count at most doubles from one prompt step to the next; it falls at once
 
 
 class PrefillBudget:
@@ -143,8 +150,9 @@ class PrefillBudget:
             return self.tokens
         c = self.per_token_s = self._se / self._sp
         if c <= 0.0 or self.limit_s >= c * self.max_tokens:
-            self.tokens = self.max_tokens    # flat in prompt tokens: no throttle
+            tokens = self.max_tokens    # flat in prompt tokens: no throttle
         else:
             # floor(MS / c), a hair of slack so that an exact quotient is not one short in binary
-            self.tokens = max(self.floor, int(self.limit_s / c * (1 + 1e-9)))
+            tokens = max(self.floor, int(self.limit_s / c * (1 + 1e-9)))
+        self.tokens = min(tokens, int(GROWTH * self.tokens))
         return self.tokens
