@@ -18,3 +18,16 @@ def run_offline(scheduler, executor, requests, **kw):
     requests = list(requests)
     executor.output_lens.update(targets(requests))
     return offline.run_offline(scheduler, executor, requests, **kw)
+
+
+def prefill_chunks(scheduler, executor, requests, rid: str, beside: str = "dec") -> list[tuple[int, bool]]:
+    """Run `requests` offline; the prompt tokens `rid` computed in each step it prefilled, and
+    whether `beside` had a sequence in that step."""
+    chunks = []
+
+    def obs(b, o, t0, t1):
+        n = sum(sq.num_tokens for sq in b.seqs if sq.req_id == rid and sq.is_prefill)
+        if n:
+            chunks.append((n, any(sq.req_id == beside for sq in b.seqs)))
+    run_offline(scheduler, executor, requests, observer=obs)
+    return chunks

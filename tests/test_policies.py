@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from shepherd.config import SchedulerConfig
-from sim_targets import run_offline
+from sim_targets import prefill_chunks, run_offline
 from shepherd.request import FinishReason, Request, RequestState, SamplingParams
 from shepherd.scheduler.scheduler import Scheduler
 from shepherd.engine.sim_executor import SimExecutor
@@ -255,13 +255,7 @@ def test_prefill_cap_chunks_a_long_prompt_beside_decodes_without_starving_it():
     s, ex = make(cap=1 << 16, max_batch_size=64, max_prefill_tokens_with_decodes=C)
     dec = mk("dec", [5] * 4, max_tokens=60)
     long_ = mk("long", [7] * 100, max_tokens=2, arrival=2.0)
-    chunks = []
-
-    def obs(b, o, t0, t1):
-        n = sum(sq.num_tokens for sq in b.seqs if sq.req_id == "long" and sq.is_prefill)
-        if n:
-            chunks.append((n, any(sq.req_id == "dec" for sq in b.seqs)))
-    run_offline(s, ex, [dec, long_], observer=obs)
+    chunks = prefill_chunks(s, ex, [dec, long_], "long")
     assert len(long_.output_ids) == 2
     assert [n for n, _ in chunks] == [16] * 6 + [4] and all(d for _, d in chunks)   # ceil(100 / 16) steps
 

@@ -13,7 +13,7 @@ from shepherd.engine.prefill_budget import FLOOR_TOKENS, PROBE_TOKENS, PrefillBu
 from shepherd.engine.sim_executor import SimExecutor
 from shepherd.request import Request, SamplingParams
 from shepherd.scheduler.scheduler import Scheduler
-from sim_targets import run_offline
+from sim_targets import prefill_chunks, run_offline
 
 EOS = 2
 
@@ -204,13 +204,7 @@ def test_a_long_prompt_beside_decodes_still_finishes():
     dec = mk("dec", [5] * 4, max_tokens=200)
     warm = mk("w", [9] * 20, max_tokens=2, arrival=0.2)
     long_ = mk("long", [7] * 1000, max_tokens=2, arrival=0.6)
-    chunks = []
-
-    def obs(b, o, t0, t1):
-        n = sum(sq.num_tokens for sq in b.seqs if sq.req_id == "long" and sq.is_prefill)
-        if n:
-            chunks.append((n, any(sq.req_id == "dec" for sq in b.seqs)))
-    run_offline(s, ex, [dec, warm, long_], observer=obs)
+    chunks = prefill_chunks(s, ex, [dec, warm, long_], "long")
     assert len(long_.output_ids) == 2 and sum(n for n, _ in chunks) == 1000
     assert all(d for _, d in chunks) and max(n for n, _ in chunks) == 10   # 12 ms / 1.2 ms beside dec
 
