@@ -47,9 +47,11 @@ OFF = "off"
 
 
 def settings(caps: str, ms: str) -> dict:
-    """label -> the serve arguments of that setting; `off` first (neither bound)."""
-    out = {OFF: []}
-    out.update({f"{FLAG} {c}": [FLAG, c] for c in caps.split(",") if c})
+    """label -> the serve arguments of that setting; `off` first (neither bound). serve's default
+    is the time budget (config.SERVE_PREFILL_MS), so off and the token-cap settings turn it off."""
+    no_ms = [MS_FLAG, "0"]
+    out = {OFF: no_ms}
+    out.update({f"{FLAG} {c}": [FLAG, c, *no_ms] for c in caps.split(",") if c})
     out.update({f"{MS_FLAG} {m}": [MS_FLAG, m] for m in ms.split(",") if m})
     return out
 
