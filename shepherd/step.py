@@ -151,7 +151,12 @@ class Executor(Protocol):
     # compiled out of the scheduler (ServedCore parks it) and asks again each loop turn, so no
     # step waits for a compile. True once `spec` (kind, source) is compiled; else the compile
     # starts in the background and the answer is False; raises when it cannot be compiled.
-    def grammar_ready(self, spec: tuple[str, str]) -> bool: ...
+    # Once True, the executor holds that compiled grammar for `req_id` until it forgets the
+    # request (batch.finished), or until drop_grammar(req_id) where the scheduler refused it:
+    # its compiler's cache may evict the spec in between, and no step may compile it again.
+    def grammar_ready(self, req_id: str, spec: tuple[str, str]) -> bool: ...
+
+    def drop_grammar(self, req_id: str) -> None: ...
 
     # The served core calls this once it is ready: whatever a first grammar would build before
     # its compile (the compiler over the vocabulary) is built then, in the background, and not
@@ -189,8 +194,11 @@ class PlainExecutor:
     (it is not enforced), adapters are off. Subclass it and define the rest."""
     lora_enabled = False
 
-    def grammar_ready(self, spec: tuple[str, str]) -> bool:
+    def grammar_ready(self, req_id: str, spec: tuple[str, str]) -> bool:
         return True
+
+    def drop_grammar(self, req_id: str) -> None:
+        pass
 
     def warm_grammar(self) -> None:
         pass

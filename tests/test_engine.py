@@ -189,12 +189,19 @@ class SlowGrammars:
     def __init__(self):
         self.ready = threading.Event()
         self.asked = 0
+        self.held: set[str] = set()       # requests it said ready for: it holds their grammar
+        self.dropped: list[str] = []
 
-    def grammar_ready(self, spec) -> bool:
+    def grammar_ready(self, req_id, spec) -> bool:
         self.asked += 1
         if spec[1] == "bad":
             raise ValueError("no such grammar")
+        if self.ready.is_set():
+            self.held.add(req_id)
         return self.ready.is_set()
+
+    def drop_grammar(self, req_id) -> None:
+        self.dropped.append(req_id)
 
 
 def test_a_request_waits_for_its_grammar_outside_the_batch(tok):
@@ -221,6 +228,38 @@ def test_a_request_waits_for_its_grammar_outside_the_batch(tok):
             outs = await collect(parked)
             assert outs[-1].finish_reason == "abort"
             await wait_idle(engine)
+        finally:
+            await engine.stop()
+    run(main())
+
+
+def test_a_grammar_request_the_queue_refuses_is_dropped_by_the_executor(tok):
+    """Ready grammars are held by the executor per request until it forgets the request; one the
+    scheduler refuses once its grammar is ready never reaches the executor, so the core drops it
+    there (else each 429 under load would keep a compiled grammar for good)."""
+    async def main():
+        ex = ScriptedExecutor(tok, tok.encode(TEXT))
+        grammars = SlowGrammars()
+        ex.grammar_ready, ex.drop_grammar = grammars.grammar_ready, grammars.drop_grammar
+        sched = SchedulerConfig(max_batch_size=1, max_queue=1, max_concurrency=1)
+        engine = Engine(EngineConfig(executor="sim", watchdog_timeout=30.0, scheduler=sched), executor=ex,
+                        tokenizer=tok)
+        await engine.start()
+        try:
+            subs = [engine.submit(tok.encode(f"p{i}"), SamplingParams(max_tokens=3, grammar=("regex", "x+")))
+                    for i in range(4)]
+            grammars.ready.set()       # all four parked; now they are admitted at once, beyond the limits
+            res = await asyncio.gather(*subs, return_exceptions=True)
+            refused = [s.req_id for s, r in zip(subs, res) if isinstance(r, QueueFull)]
+            streams = [r for r in res if not isinstance(r, BaseException)]
+            assert refused and streams and len(refused) + len(streams) == 4
+            for st in streams:
+                assert (await collect(st))[-1].finish_reason == "length"
+            assert sorted(grammars.dropped) == sorted(refused)
+            # the executor forgets the admitted ones with the next batch that runs (batch.finished)
+            await collect(await engine.submit(tok.encode("p"), SamplingParams(max_tokens=2)))
+            await wait_idle(engine)
+            assert grammars.held == set(grammars.dropped) | set(ex.finished)   # nothing held for good
         finally:
             await engine.stop()
     run(main())

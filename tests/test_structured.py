@@ -218,6 +218,39 @@ def test_the_compiled_grammars_a_compiler_holds_are_bounded_in_bytes(tok):
     assert compiler.compile(spec(5)) is compiler.compile(spec(5))
 
 
+def test_a_prepared_grammar_evicted_from_the_cache_is_never_compiled_in_a_step(tok):
+    """prepare() compiles off the step; the request's first mask and its matcher's rebuild after
+    a rollback come later, inside steps, after other grammars may have pushed its spec out of the
+    compiler's cache (here a cache of one grammar). They use the grammar held for the request."""
+    masks = GrammarMasks(tok)
+    masks.compiler = GrammarCompiler(encoded_vocab(tok, tok.vocab_size), tok.eos_token_ids, cache_size=1)
+    compiles = []
+    real = masks.compiler._compile
+    masks.compiler._compile = lambda *spec: compiles.append(spec) or real(*spec)
+
+    def ready(spec, rid):
+        if not masks.prepare(spec, rid):        # the compile started in the background thread
+            masks._pending[spec].result()
+            assert masks.prepare(spec, rid)
+
+    a, b = ("regex", r"[a-c]{3}-\d\d"), ("json_schema", json.dumps(SCHEMAS[0]))
+    ready(a, "ra")
+    ready(b, "rb")                  # evicts a from the cache
+    assert not masks.compiler.cached(a) and len(compiles) == 2
+    ra = _req("ra", tok, grammar=a)
+    sampler = Sampler()
+    sampler.grammar = masks
+    _run(sampler, [ra], tok.vocab_size, 4)
+    ra.output_ids = ra.output_ids[:1]                   # rolled back (recompute preemption)
+    logits = torch.randn(1, tok.vocab_size)
+    masks.apply(logits, [ra])
+    assert len(compiles) == 2, compiles                 # neither the first mask nor the rebuild compiled
+    assert torch.isinf(logits).sum() > 0
+    masks.forget("ra")
+    masks.forget("rb")
+    assert not masks._held
+
+
 def test_grammar_check_budgets_and_cached_verdicts(tok):
     """Over the size budget: refused without compiling. Over the time budget: refused after it, and
     at once the next time (the verdict is cached); a good spec compiles in the worker process."""

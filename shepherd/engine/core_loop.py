@@ -167,31 +167,34 @@ class ServedCore:
             self._unpark(now, answers)
         return answers, outs
 
-    def _admit(self, req: Request, now: float, answers: list) -> None:
+    def _admit(self, req: Request, now: float, answers: list) -> bool:
+        """Whether the scheduler took `req`; the answer to its add is appended either way."""
         try:
             self.scheduler.add(req, now)
         except QueueFull as e:
             answers.append((req.req_id, ("full", str(e), float(e.retry_after or 1.0))))
-            return
+            return False
         except RequestRejected as e:
             answers.append((req.req_id, ("rejected", str(e), 0.0)))
-            return
+            return False
         self._reqs[req.req_id] = req
         self._first.add(req.req_id)
         answers.append((req.req_id, None))
+        return True
 
     def _unpark(self, now: float, answers: list) -> None:
         """Admit the parked requests whose grammar is ready; reject those whose grammar failed."""
         for rid, req in list(self._parked.items()):
             try:
-                if not self.core.executor.grammar_ready(req.params.grammar):
+                if not self.core.executor.grammar_ready(rid, req.params.grammar):
                     continue
             except Exception as e:  # noqa: BLE001 - the server compiled it first; this request ends, not the core
                 del self._parked[rid]
                 answers.append((rid, ("rejected", f"cannot enforce the requested {req.params.grammar[0]}: {e}", 0.0)))
                 continue
             del self._parked[rid]
-            self._admit(req, now, answers)
+            if not self._admit(req, now, answers):
+                self.core.executor.drop_grammar(rid)      # refused: the executor never sees it
 
     # ------------------------------------------------------------------ LoRA adapters
     def _lora_op(self, kind: str, name: str, path: Optional[str] = None) -> Optional[tuple]:

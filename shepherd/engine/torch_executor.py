@@ -423,9 +423,13 @@ class TorchExecutor:
         """step.Executor.warm_grammar: the compiler is built in the sampler's background thread."""
         self.sampler.grammar.warm_up()
 
-    def grammar_ready(self, spec: tuple[str, str]) -> bool:
+    def grammar_ready(self, req_id: str, spec: tuple[str, str]) -> bool:
         """step.Executor.grammar_ready: compiles in the sampler's background thread."""
-        return self.sampler.grammar.prepare(spec)
+        return self.sampler.grammar.prepare(spec, req_id)
+
+    def drop_grammar(self, req_id: str) -> None:
+        """step.Executor.drop_grammar."""
+        self.sampler.grammar.forget(req_id)
 
     def add(self, new: NewRequest) -> None:
         """A request seen for the first time (execute does this for batch.new)."""

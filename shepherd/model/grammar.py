@@ -8,9 +8,10 @@ A request carries its grammar as a spec, SamplingParams.grammar = (kind, text):
 `GrammarCompiler` turns specs into compiled grammars (cached by spec); the
 server runs one in a worker process to reject a bad spec, or one over its
 time budget, with a 400 before the request is queued (server/grammar_check.py).
-`GrammarMasks` is the sampler's hook: `prepare(spec)` compiles a new spec in a
-background thread (the engine core keeps the request out of the batch until
-it is ready, so no step ever waits for a compile), and it keeps one matcher
+`GrammarMasks` is the sampler's hook: `prepare(spec, req_id)` compiles a new spec
+in a background thread (the engine core keeps the request out of the batch until
+it is ready, so no step ever waits for a compile) and then holds the compiled
+grammar for the request until it is forgotten, and it keeps one matcher
 per request, fed from the request's own output tokens before every step, so
 a request that was preempted and recomputed (or resumed on a fresh executor)
 rebuilds its matcher state from the tokens alone.
@@ -135,6 +136,11 @@ class GrammarCompiler:
     def cached(self, spec: tuple[str, str]) -> bool:
         with self._lock:
             return spec in self._cache
+
+    def get(self, spec: tuple[str, str]):
+        """The compiled grammar of `spec` if this compiler holds it, else None (never compiles)."""
+        with self._lock:
+            return self._cache.get(spec)
 
     def compile(self, spec: tuple[str, str]):
         with self._lock:
@@ -346,6 +352,10 @@ class GrammarMasks:
         self.compiler: Optional[GrammarCompiler] = None
         self._matchers: dict[str, Any] = {}
         self._fed: dict[str, int] = {}
+        # req_id -> its compiled grammar, from prepare's True until forget: the compiler's cache
+        # may evict it meanwhile (other grammars, its byte bound), and then the request's first
+        # step, or its matcher's rebuild after a rollback, would compile inside the step
+        self._held: dict[str, Any] = {}
         self.failed: dict[str, str] = {}   # req_id -> error, taken by the executor after sampling
         self._pool: Optional[ThreadPoolExecutor] = None          # compiles, at a lower priority
         self._fill_pool: Optional[ThreadPoolExecutor] = None     # masks beside the forward (fill_async)
@@ -370,30 +380,39 @@ class GrammarMasks:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="shepherd-grammar", initializer=_lower_priority)
         return self._pool
 
-    def prepare(self, spec: tuple[str, str]) -> bool:
-        """True once `spec` is compiled; else starts (or keeps) its compile in a background
-        thread and returns False. Raises GrammarError when the compile failed."""
+    def prepare(self, spec: tuple[str, str], req_id: Optional[str] = None) -> bool:
+        """True once `spec` is compiled, and then the compiled grammar is held for `req_id` until
+        forget(req_id); else starts (or keeps) its compile in a background thread and returns
+        False. Raises GrammarError when the compile failed."""
         fut = self._pending.get(spec)
         if fut is None:
-            if self.compiler is not None and self.compiler.cached(spec):
-                return True
-            self._pending[spec] = fut = self._compile_pool().submit(lambda: self._compiler_for(None).compile(spec))
-        if not fut.done():
-            return False
-        del self._pending[spec]
-        fut.result()            # GrammarError (or a bug) surfaces here, to the request that asked
+            compiled = self.compiler.get(spec) if self.compiler is not None else None
+            if compiled is None:
+                self._pending[spec] = fut = self._compile_pool().submit(
+                    lambda: self._compiler_for(None).compile(spec))
+        if fut is not None:
+            if not fut.done():
+                return False
+            self._pending.pop(spec, None)
+            compiled = fut.result()     # GrammarError (or a bug) surfaces here, to the request that asked
+        if req_id is not None:
+            self._held[req_id] = compiled
         return True
 
     def forget(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
         self._fed.pop(req_id, None)
+        self._held.pop(req_id, None)
 
     def _sync(self, req) -> Any:
         """The request's matcher, advanced over the output tokens it has not seen."""
         rid, out = req.req_id, req.output_ids
         m = self._matchers.get(rid)
         if m is None or self._fed.get(rid, 0) > len(out):   # new, or its tokens were rolled back
-            m = self.compiler.xgr.GrammarMatcher(self.compiler.compile(req.params.grammar))
+            g = self._held.get(rid)
+            if g is None:       # not prepared (a caller without the core's parking): compiled here
+                g = self._held[rid] = self.compiler.compile(req.params.grammar)
+            m = self.compiler.xgr.GrammarMatcher(g)
             self._matchers[rid], self._fed[rid] = m, 0
         for tid in out[self._fed[rid]:]:
             if not m.is_terminated():
