@@ -392,6 +392,9 @@ def main() -> None:
     ap.add_argument("--dump", default=None, help="a JSON file for each window's raw figures: the innocent "
                     "stream's chunk arrival times (time.perf_counter: CLOCK_MONOTONIC, the clock a probe in the "
                     "server and the core can stamp with), the window's bounds, the attackers' statuses")
+    ap.add_argument("--attacker-nice", type=int, default=0,
+                    help="the attacking client's niceness (a diagnostic: on a 2-core machine its own CPU, "
+                         "which a remote attacker would not spend here, competes with the server)")
     ap.add_argument("--section", default="", help="with --write: the markers stall-attacks-SECTION (a second "
                     "table in the same file, e.g. gateway, before)")
     args = ap.parse_args()
@@ -400,7 +403,7 @@ def main() -> None:
     chosen = [a for a in args.attacks.split(",") if a]
     os.makedirs(args.logs, exist_ok=True)
     url, procs = launch(args)
-    pool = multiprocessing.get_context("spawn").Pool(1)
+    pool = multiprocessing.get_context("spawn").Pool(1, initializer=os.nice, initargs=(args.attacker_nice,))
     sampler = sampler_for(procs, args.target, pool, args.logs) if args.profile else None
     try:
         import httpx

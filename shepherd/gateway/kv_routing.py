@@ -47,6 +47,10 @@ class PromptTokens:
         if tokenizer != "backend":
             from shepherd.model.loader import load_tokenizer
             self.local = load_tokenizer(None if tokenizer == "default" else tokenizer)
+            try:        # now, not in the event loop of the first chat request
+                self.local.warm_chat_template()
+            except Exception as e:  # noqa: BLE001 - chat requests then route without their tokens
+                log.warning("the routing tokenizer's chat template does not compile: %s", e)
         self.timeout = timeout
         self._rr = 0
         self.failures = 0
