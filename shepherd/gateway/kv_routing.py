@@ -47,7 +47,10 @@ class PromptTokens:
         if tokenizer != "backend":
             from shepherd.model.loader import load_tokenizer
             self.local = load_tokenizer(None if tokenizer == "default" else tokenizer)
-            try:        # now, not in the event loop of the first chat request
+            # now, not in the event loop of the first chat request (its parsing and template)
+            import shepherd.server.protocol  # noqa: F401
+            import shepherd.server.tools  # noqa: F401
+            try:
                 self.local.warm_chat_template()
             except Exception as e:  # noqa: BLE001 - chat requests then route without their tokens
                 log.warning("the routing tokenizer's chat template does not compile: %s", e)
