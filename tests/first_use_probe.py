@@ -1,10 +1,12 @@
-"""Run `shepherd serve ARGS` in this process and print (JSON) the modules that the first request of
-each kind imported in the server's process: work that would otherwise be done under the event loop
-of a fresh server, holding every stream and /health (tests/test_first_use.py).
+"""Run `shepherd serve ARGS` (or `shepherd gateway ARGS`) in this process and print (JSON) the modules
+that the first request of each kind imported in the server's process: work that would otherwise be
+done under the event loop of a fresh server, holding every stream and /health
+(tests/test_first_use.py).
 
-    python tests/first_use_probe.py --executor sim
+    python tests/first_use_probe.py serve --executor sim
+    python tests/first_use_probe.py gateway --backend http://127.0.0.1:8000
 
-The server runs in the main thread, as `shepherd serve` does (uvicorn's signal handlers); a client
+The server runs in the main thread, as the command does (uvicorn's signal handlers); a client
 thread waits for /health, sends one request of each kind, prints what it found, then stops the
 server with SIGTERM."""
 from __future__ import annotations
@@ -90,4 +92,4 @@ if __name__ == "__main__":
     port = free_port()
     result: dict = {"statuses": {}, "imports": {}}
     threading.Thread(target=client, args=(f"http://127.0.0.1:{port}", result), daemon=True).start()
-    main(["serve", "--port", str(port), "--log-level", "warning", *sys.argv[1:]])
+    main([sys.argv[1], "--port", str(port), "--log-level", "warning", *sys.argv[2:]])

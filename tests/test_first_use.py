@@ -11,13 +11,15 @@ import sys
 
 import pytest
 
+from shepherd.bench.loadgen import start_server, stop_server, wait_healthy
+
 pytestmark = pytest.mark.e2e
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "first_use_probe.py")
 
 
-def test_no_first_request_of_any_kind_imports_a_module_in_the_server():
-    p = subprocess.run([sys.executable, PROBE, "--executor", "sim"], capture_output=True, text=True, timeout=600)
+def _probe(*args: str) -> dict:
+    p = subprocess.run([sys.executable, PROBE, *args], capture_output=True, text=True, timeout=600)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("FIRST-USE ")]
     assert line, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
     res = json.loads(line[-1][len("FIRST-USE "):])
@@ -27,3 +29,17 @@ def test_no_first_request_of_any_kind_imports_a_module_in_the_server():
     assert res["statuses"]["bad body"] == 400 and res["statuses"]["chat"] == 200, res["statuses"]
     assert not res["imports"], "first requests imported, in the server's process:\n" + "\n".join(
         f"  {k}: {', '.join(v[:12])}{' ...' if len(v) > 12 else ''}" for k, v in res["imports"].items())
+    return res
+
+
+def test_no_first_request_of_any_kind_imports_a_module_in_the_server():
+    _probe("serve", "--executor", "sim")
+
+
+def test_no_first_request_of_any_kind_imports_a_module_in_the_gateway():
+    proc, url = start_server(["--executor", "sim"], cwd=os.path.dirname(os.path.dirname(PROBE)))
+    try:
+        wait_healthy(url, proc)
+        _probe("gateway", "--backend", url)
+    finally:
+        stop_server(proc)
