@@ -16,14 +16,13 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from shepherd.bench.loadgen import free_port  # noqa: E402
+from shepherd.bench.loadgen import free_port, wait_healthy  # noqa: E402
 from shepherd.cli import main  # noqa: E402
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -61,17 +60,8 @@ def requests(model: str) -> list[tuple[str, str, dict]]:
 
 def client(url: str, out: dict) -> None:
     try:
+        wait_healthy(url, timeout=300)
         c = httpx.Client(base_url=url, timeout=60)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if c.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become healthy")
-            time.sleep(0.2)
         model = c.get("/v1/models").json()["data"][0]["id"]
         c.post("/v1/completions", json={"model": model, "prompt": "warm", "max_tokens": 1})  # the client's own imports
         for label, path, body in requests(model):
