@@ -259,7 +259,8 @@ def test_a_grammar_request_the_queue_refuses_is_dropped_by_the_executor(tok):
             # the executor forgets the admitted ones with the next batch that runs (batch.finished)
             await collect(await engine.submit(tok.encode("p"), SamplingParams(max_tokens=2)))
             await wait_idle(engine)
-            assert grammars.held == set(grammars.dropped) | set(ex.finished)   # nothing held for good
+            # nothing held for good: every request it said ready for was dropped or forgotten
+            assert grammars.held and grammars.held <= set(grammars.dropped) | set(ex.finished)
         finally:
             await engine.stop()
     run(main())

@@ -46,7 +46,7 @@ whose time measures c, and the next step already has a budget. Why not "no cap u
 a server's first burst is exactly the case this is for (issue 31's enum row: the innocent
 stream's second prompt is a prefix-cache hit of 1 token, so ten requests arrived before any
 prompt token had been timed, and the uncapped 340-token step was the whole gap); on a flat
-machine the probe costs one small extra step once, after which c is near zero. 
+machine the probe costs one small extra step once, after which c is near zero.
 The count grows at most GROWTH (2x) from one step with prompt tokens to the next, and falls at
 once. One step is a noisy measure of c: 16 probe tokens add ~19 ms to a step on the 2-core CPU,
 and a decode-only prediction raised by a busy spell (the stall table's earlier attacks slowed

@@ -26,6 +26,8 @@ import httpx
 from shepherd.gateway.backends import normalize_url
 from shepherd.kv_events.subscriber import COUNTERS, KVEventSubscriber, Source, parse_source
 from shepherd.routing import ReplicaState, RouteRequest, RoutingPolicy
+from shepherd.server.protocol import ChatCompletionRequest
+from shepherd.server.tools import render_messages, template_takes_tools
 
 log = logging.getLogger("shepherd.gateway")
 
@@ -47,10 +49,7 @@ class PromptTokens:
         if tokenizer != "backend":
             from shepherd.model.loader import load_tokenizer
             self.local = load_tokenizer(None if tokenizer == "default" else tokenizer)
-            # now, not in the event loop of the first chat request (its parsing and template)
-            import shepherd.server.protocol  # noqa: F401
-            import shepherd.server.tools  # noqa: F401
-            try:
+            try:        # now, not in the event loop of the first chat request
                 self.local.warm_chat_template()
             except Exception as e:  # noqa: BLE001 - chat requests then route without their tokens
                 log.warning("the routing tokenizer's chat template does not compile: %s", e)
@@ -95,8 +94,6 @@ class PromptTokens:
         tok = self.local
         if not chat:
             return tok.encode(payload["prompt"], add_special_tokens=True)
-        from shepherd.server.protocol import ChatCompletionRequest
-        from shepherd.server.tools import render_messages, template_takes_tools
         body = ChatCompletionRequest.model_validate(payload)
         messages, extra = render_messages(body, template_takes_tools(tok.chat_template))
         text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **extra)

@@ -133,10 +133,6 @@ class GrammarCompiler:
         size = int(vocab_size or tokenizer.vocab_size)
         return cls(encoded_vocab(tokenizer, size), tokenizer.eos_token_ids)
 
-    def cached(self, spec: tuple[str, str]) -> bool:
-        with self._lock:
-            return spec in self._cache
-
     def get(self, spec: tuple[str, str]):
         """The compiled grammar of `spec` if this compiler holds it, else None (never compiles)."""
         with self._lock:

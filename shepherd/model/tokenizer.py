@@ -110,7 +110,7 @@ class Tokenizer:
     def warm_chat_template(self) -> Any:
         """The compiled chat template (None without one), built on the first call. A server calls
         this at start: built by the first chat request instead, importing jinja2 and compiling
-        the template held its event loop (every stream and /health) for 0.15-0.8 s through Ray
+        the template held its event loop (every stream and /health) for 0.16-0.79 s through Ray
         Serve on this 2-core machine. Raises jinja2's TemplateError for a template that does not
         compile."""
         if self._template is None and self.chat_template:

@@ -283,8 +283,7 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
             ctx.grammars.start()        # its import (~1.5 s of a core) overlaps the engine's start
         await engine.start()
         try:
-            if hasattr(ctx.tok, "warm_chat_template"):
-                await asyncio.to_thread(ctx.tok.warm_chat_template)
+            await asyncio.to_thread(ctx.tok.warm_chat_template)
         except Exception as e:  # noqa: BLE001 - each chat request then answers 400 naming it
             logger.warning("the chat template does not compile: %s", e)
         # Answer only once the worker is up: importing beside the first requests took a core
