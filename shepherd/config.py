@@ -316,6 +316,7 @@ class EngineConfig:
     device: str = "cpu"                           # cpu | cuda | cuda:N
     watchdog_timeout: float = 300.0
     log_every_steps: int = 40                     # decode log line cadence
+    max_grammar_memory: int = 1 << 30             # bytes of compiled grammars requests may hold; beyond -> 429; 0 = no bound
     kv_events: Optional[KVEventsConfig] = None    # publish prefix-cache changes (vLLM's KV events)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -133,6 +133,15 @@ class StepResult:
     prompt_logprobs: dict[str, list[Optional[TokenLogprob]]] = field(default_factory=dict)
 
 
+class ExecutorFull(Exception):
+    """grammar_ready's answer where holding one more request's compiled grammar would pass the
+    executor's bound on them: the core answers the request 429 with Retry-After, as a full queue."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class Executor(Protocol):
     """What the engine needs from whatever runs batches (torch or simulated). Every member is
     required (the core probes for none of them); an executor without grammars or adapters
@@ -154,6 +163,8 @@ class Executor(Protocol):
     # Once True, the executor holds that compiled grammar for `req_id` until it forgets the
     # request (batch.finished), or until drop_grammar(req_id) where the scheduler refused it:
     # its compiler's cache may evict the spec in between, and no step may compile it again.
+    # Raises ExecutorFull where the compiled grammars held for requests are at the executor's
+    # bound (--max-grammar-memory): one client's distinct large grammars cannot fill the memory.
     def grammar_ready(self, req_id: str, spec: tuple[str, str]) -> bool: ...
 
     def drop_grammar(self, req_id: str) -> None: ...

@@ -16,7 +16,7 @@ import pytest
 
 from shepherd.config import EngineConfig, SchedulerConfig
 from shepherd.engine.engine import WATCHDOG_EXIT_CODE, Engine, EngineDeadError, QueueFull, RequestRejected
-from shepherd.step import PlainExecutor, StepResult
+from shepherd.step import ExecutorFull, PlainExecutor, StepResult
 from shepherd.model.loader import load_tokenizer
 from shepherd.request import SamplingParams, TokenLogprob
 
@@ -196,6 +196,8 @@ class SlowGrammars:
         self.asked += 1
         if spec[1] == "bad":
             raise ValueError("no such grammar")
+        if spec[1] == "full":
+            raise ExecutorFull("compiled grammars held by requests in flight are at the bound", retry_after=3.0)
         if self.ready.is_set():
             self.held.add(req_id)
         return self.ready.is_set()
@@ -222,6 +224,10 @@ def test_a_request_waits_for_its_grammar_outside_the_batch(tok):
             assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 5
             with pytest.raises(RequestRejected, match="no such grammar"):
                 await engine.submit(tok.encode("p"), SamplingParams(max_tokens=5, grammar=("regex", "bad")))
+            # the executor's grammars at its memory bound: overload (429 with Retry-After), not a 400
+            with pytest.raises(QueueFull, match="at the bound") as full:
+                await engine.submit(tok.encode("p"), SamplingParams(max_tokens=5, grammar=("regex", "full")))
+            assert full.value.retry_after == 3.0
             grammars.ready.clear()                                # an abort while parked
             parked = engine.submit(tok.encode("p"), SamplingParams(max_tokens=5, grammar=("regex", "y+")))
             parked.abort()
@@ -234,9 +240,11 @@ def test_a_request_waits_for_its_grammar_outside_the_batch(tok):
 
 
 def test_a_grammar_request_the_queue_refuses_is_dropped_by_the_executor(tok):
-    """Ready grammars are held by the executor per request until it forgets the request; one the
+    """Ready grammars are held by the executor per request until the request ends; one the
     scheduler refuses once its grammar is ready never reaches the executor, so the core drops it
-    there (else each 429 under load would keep a compiled grammar for good)."""
+    there (else each 429 under load would keep a compiled grammar for good), and one that ends is
+    dropped as it ends, not with the next batch that runs (an idle engine runs none, and the held
+    grammars are bounded: --max-grammar-memory)."""
     async def main():
         ex = ScriptedExecutor(tok, tok.encode(TEXT))
         grammars = SlowGrammars()
@@ -255,12 +263,9 @@ def test_a_grammar_request_the_queue_refuses_is_dropped_by_the_executor(tok):
             assert refused and streams and len(refused) + len(streams) == 4
             for st in streams:
                 assert (await collect(st))[-1].finish_reason == "length"
-            assert sorted(grammars.dropped) == sorted(refused)
-            # the executor forgets the admitted ones with the next batch that runs (batch.finished)
-            await collect(await engine.submit(tok.encode("p"), SamplingParams(max_tokens=2)))
-            await wait_idle(engine)
-            # nothing held for good: every request it said ready for was dropped or forgotten
-            assert grammars.held and grammars.held <= set(grammars.dropped) | set(ex.finished)
+            # every request it said ready for was dropped by the time its answer ended, with no
+            # batch run since: the refused at once, the admitted as they finished
+            assert len(grammars.held) == 4 and sorted(grammars.dropped) == sorted(grammars.held)
         finally:
             await engine.stop()
     run(main())

@@ -15,7 +15,7 @@ from shepherd.model.grammar import (ENUM_TRIE_CHARS, GrammarCompiler, GrammarErr
 from shepherd.model.loader import load_tokenizer
 from shepherd.model.sampler import Sampler, SamplingState
 from shepherd.request import SamplingParams
-from shepherd.step import NewRequest
+from shepherd.step import ExecutorFull, NewRequest
 from shepherd.server import tools
 from shepherd.server.guard import Refusal, json_depth, parse_body
 from shepherd.server.protocol import ChatCompletionRequest
@@ -249,6 +249,35 @@ def test_a_prepared_grammar_evicted_from_the_cache_is_never_compiled_in_a_step(t
     masks.forget("ra")
     masks.forget("rb")
     assert not masks._held
+
+
+def test_the_grammars_requests_hold_are_bounded_in_bytes_each_distinct_one_once(tok):
+    """A client's distinct large grammars, each held while its request lives, must not fill the
+    memory (a 113 KB guided_choice of random strings compiles to ~40 MB): past max_held_bytes the
+    next distinct grammar is refused as overload (ExecutorFull: 429), while requests of a grammar
+    already held share it, and a grammar given back makes room."""
+    a, b = ("regex", r"[a-c]{3}-\d\d"), ("json_schema", json.dumps(SCHEMAS[0]))
+    compiler = GrammarCompiler(encoded_vocab(tok, tok.vocab_size), tok.eos_token_ids)
+    size_a, size_b = compiler.compile(a).memory_size_bytes, compiler.compile(b).memory_size_bytes
+    masks = GrammarMasks(tok, max_held_bytes=size_a + size_b - 1)
+    masks.compiler = compiler
+
+    assert masks.prepare(a, "r1") and masks.prepare(a, "r2") and masks.held_bytes == size_a   # held once
+    with pytest.raises(ExecutorFull, match="--max-grammar-memory"):
+        masks.prepare(b, "r3")
+    masks.forget("r1")
+    with pytest.raises(ExecutorFull):
+        masks.prepare(b, "r3")             # r2 still holds a
+    masks.forget("r2")
+    assert masks.held_bytes == 0 and masks.prepare(b, "r3") and masks.held_bytes == size_b
+    masks.forget("r3")
+    masks.forget("r3")                     # a second forget (batch.finished after the core's drop) is a no-op
+    assert masks.held_bytes == 0 and not masks._held
+    one = GrammarMasks(tok, max_held_bytes=1)      # the first grammar is taken, however large
+    one.compiler = compiler
+    assert one.prepare(b, "r4") and one.held_bytes == size_b
+    with pytest.raises(ExecutorFull):
+        one.prepare(a, "r5")
 
 
 def test_grammar_check_budgets_and_cached_verdicts(tok):

@@ -248,3 +248,43 @@ def test_structured_output_survives_recompute_preemption():
     assert stats.preemptions > 0, "the test did not preempt; shrink the pool"
     for o in outs:
         jsonschema.validate(json.loads(o["choices"][0]["message"]["content"]), PERSON)
+
+
+def test_distinct_grammars_past_the_memory_bound_get_429_until_one_is_given_back():
+    """--max-grammar-memory (here 1 byte: only the first grammar fits) through the HTTP app: while
+    a grammar request runs, a request with another grammar gets 429 with Retry-After, one with
+    the same grammar shares it (200), and once the first has ended the other gets 200 with
+    nothing else run in between (the grammar is given back as its request ends)."""
+    engine = Engine(EngineConfig(executor="torch", max_total_tokens=4096, batch_invariant=False,
+                                 max_grammar_memory=1))
+    app = build_app(engine, ServerConfig())
+    held, other = "[a-z]+( [a-z]+)*", "[0-9]+(-[0-9]+)*"
+
+    def body(regex, n):
+        return {"prompt": "Write words:", "max_tokens": n, "ignore_eos": True, "guided_regex": regex}
+
+    async def go():
+        await engine.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s",
+                                         timeout=300) as h:
+                long = asyncio.ensure_future(h.post("/v1/completions", json=body(held, 400)))
+                deadline = asyncio.get_running_loop().time() + 60
+                while engine.stats().num_running < 1:    # the long one holds its grammar
+                    assert asyncio.get_running_loop().time() < deadline and not long.done()
+                    await asyncio.sleep(0.01)
+                refused = await h.post("/v1/completions", json=body(other, 4))
+                shared = await h.post("/v1/completions", json=body(held, 4))
+                assert not long.done(), "the long request ended before the check; make it longer"
+                first = await long
+                after = await h.post("/v1/completions", json=body(other, 4))
+                return refused, shared, first, after
+        finally:
+            await engine.stop()
+
+    refused, shared, first, after = asyncio.run(go())
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    err = refused.json()["error"]
+    assert err["code"] == "rate_limit_exceeded" and "--max-grammar-memory" in err["message"]
+    assert shared.status_code == 200 and first.status_code == 200
+    assert after.status_code == 200 and after.json()["choices"][0]["text"].replace("-", "").isdigit()

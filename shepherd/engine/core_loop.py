@@ -32,6 +32,7 @@ from shepherd.engine.core import EngineCore
 from shepherd.engine.metrics import StepLogger
 from shepherd.request import FinishReason, Request, RequestOutput, TokenLogprob
 from shepherd.scheduler.scheduler import QueueFull, RequestRejected, SchedulerStats
+from shepherd.step import ExecutorFull
 
 logger = logging.getLogger("shepherd.engine")
 
@@ -152,10 +153,13 @@ class ServedCore:
                 self.scheduler.abort(arg, now)
                 req = self._reqs.pop(arg, None)
                 if req is not None:
+                    self._release(req)
                     outs.append(self._output(req, [], [], True, FinishReason.ABORT.value, None))
             elif kind == FINISH:   # the front matched a stop string and has answered already
                 self.scheduler.finish(arg, FinishReason.STOP, now)
-                self._reqs.pop(arg, None)
+                req = self._reqs.pop(arg, None)
+                if req is not None:
+                    self._release(req)
             elif kind in (LORA_LOAD, LORA_UNLOAD):
                 answers.append((arg[0], self._lora_op(kind, *arg[1:])))
             elif kind == RESET_PREFIX_CACHE:
@@ -182,12 +186,23 @@ class ServedCore:
         answers.append((req.req_id, None))
         return True
 
+    def _release(self, req: Request) -> None:
+        """An ended request gives its compiled grammar back now, not with the next batch that runs
+        (batch.finished: an idle engine runs none), so that the executor's bound on held grammars
+        (ExecutorFull) counts only the requests in flight."""
+        if req.params.grammar is not None:
+            self.core.executor.drop_grammar(req.req_id)
+
     def _unpark(self, now: float, answers: list) -> None:
         """Admit the parked requests whose grammar is ready; reject those whose grammar failed."""
         for rid, req in list(self._parked.items()):
             try:
                 if not self.core.executor.grammar_ready(rid, req.params.grammar):
                     continue
+            except ExecutorFull as e:       # overload, as a full queue: 429 with Retry-After
+                del self._parked[rid]
+                answers.append((rid, ("full", str(e), float(e.retry_after))))
+                continue
             except Exception as e:  # noqa: BLE001 - the server compiled it first; this request ends, not the core
                 del self._parked[rid]
                 answers.append((rid, ("rejected", f"cannot enforce the requested {req.params.grammar[0]}: {e}", 0.0)))
@@ -256,6 +271,7 @@ class ServedCore:
             reason = o.finish_reason.value if isinstance(o.finish_reason, FinishReason) else o.finish_reason
             if o.finished:
                 del self._reqs[o.req_id]
+                self._release(req)
             outs.append(self._output(req, o.new_token_ids, o.logprobs, o.finished, reason, o.error,
                                      o.prompt_logprobs))
         return outs

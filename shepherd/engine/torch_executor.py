@@ -248,7 +248,8 @@ class TorchExecutor:
         self.host: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.sampler = Sampler()
-        self.sampler.grammar = GrammarMasks(self.tokenizer, vocab_size=mcfg.vocab_size)
+        self.sampler.grammar = GrammarMasks(self.tokenizer, vocab_size=mcfg.vocab_size,
+                                            max_held_bytes=cfg.max_grammar_memory)
         # SHEPHERD_GRAMMAR_OVERLAP=1: the grammar rows' masks are filled in a thread while the forward
         # runs (they need only the tokens fed this step). Off by default: on 2 cores the forward has
         # every core and the masks cost ~0.4 ms a step, so it did not pay (benchmarks/grammar_overlap.py)

@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--grammar-timeout", float, ServerConfig.grammar_timeout,
          "seconds a grammar may take to compile; longer gets 400"),
     ])
+    g.add_argument("--max-grammar-memory", type=int, default=EngineConfig.max_grammar_memory >> 20, metavar="MIB",
+                   help="MiB of compiled grammars the requests in flight may hold (distinct grammars counted once); "
+                        "a request whose grammar would pass it gets 429 (default %(default)s; 0: no bound)")
     g.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish the prefix cache's changes as vLLM KV events over ZMQ (vLLM's fields), e.g. "
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
@@ -224,7 +227,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
                        batch_invariant=args.batch_invariant, num_threads=args.num_threads,
                        quantization=args.quantization, device=args.device, kernels=args.kernels,
                        watchdog_timeout=args.watchdog_timeout, log_every_steps=args.log_every_steps,
-                       scheduler=sched, lora=lora,
+                       max_grammar_memory=args.max_grammar_memory << 20, scheduler=sched, lora=lora,
                        kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None)
     if args.kv_cache_memory_fraction is not None:
         eng.kv_cache_memory_fraction = args.kv_cache_memory_fraction
@@ -236,6 +239,8 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         raise ConfigError(f"--host-kv-tokens must be >= 0, got {eng.host_kv_tokens}")
     if eng.num_threads is not None and eng.num_threads < 1:
         raise ConfigError(f"--num-threads must be >= 1, got {eng.num_threads}")
+    if eng.max_grammar_memory < 0:
+        raise ConfigError(f"--max-grammar-memory must be >= 0, got {args.max_grammar_memory}")
     if eng.log_every_steps < 1:
         raise ConfigError(f"--log-every-steps must be >= 1, got {eng.log_every_steps}")
     parse_cpu_list(args.cpu_bind)

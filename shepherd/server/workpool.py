@@ -17,21 +17,14 @@ loop keeps serving while the worker runs.
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
+from shepherd.model.grammar import lower_thread_priority
 from shepherd.server.common import APIError
 
 INLINE_COST = 20_000        # characters or tokens: below this a job runs inline
-
-
-def _lower_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
-    except (OSError, AttributeError):
-        pass
 
 
 class WorkPool:
@@ -48,7 +41,7 @@ class WorkPool:
             return fn(*args)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shepherd-work",
-                                            initializer=_lower_priority)
+                                            initializer=functools.partial(lower_thread_priority, 5))
             self._slots = asyncio.Semaphore(self.workers)
         if self._waiting >= self.max_waiting:
             raise self._busy(f"{self.max_waiting} large requests are already waiting to be prepared")
