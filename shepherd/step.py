@@ -169,6 +169,11 @@ class Executor(Protocol):
 
     def drop_grammar(self, req_id: str) -> None: ...
 
+    # Bytes of the compiled grammars it holds for requests, what that bound counts (/metrics:
+    # shepherd:grammar_held_bytes).
+    @property
+    def grammar_bytes(self) -> int: ...
+
     # The served core calls this once it is ready: whatever a first grammar would build before
     # its compile (the compiler over the vocabulary) is built then, in the background, and not
     # beside the running streams of the first grammar request.
@@ -204,6 +209,7 @@ class PlainExecutor:
     serves no adapters (the simulated one, the tests' scripted ones): every grammar is ready
     (it is not enforced), adapters are off. Subclass it and define the rest."""
     lora_enabled = False
+    grammar_bytes = 0
 
     def grammar_ready(self, req_id: str, spec: tuple[str, str]) -> bool:
         return True

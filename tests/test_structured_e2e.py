@@ -263,6 +263,10 @@ def test_distinct_grammars_past_the_memory_bound_get_429_until_one_is_given_back
     def body(regex, n):
         return {"prompt": "Write words:", "max_tokens": n, "ignore_eos": True, "guided_regex": regex}
 
+    def held_bytes(metrics: str) -> float:
+        return next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("shepherd:grammar_held_bytes{"))
+
     async def go():
         await engine.start()
         try:
@@ -275,9 +279,11 @@ def test_distinct_grammars_past_the_memory_bound_get_429_until_one_is_given_back
                     await asyncio.sleep(0.01)
                 refused = await h.post("/v1/completions", json=body(other, 4))
                 shared = await h.post("/v1/completions", json=body(held, 4))
+                held_during = held_bytes((await h.get("/metrics")).text)
                 assert not long.done(), "the long request ended before the check; make it longer"
                 first = await long
                 after = await h.post("/v1/completions", json=body(other, 4))
+                assert held_during > 0 and held_bytes((await h.get("/metrics")).text) == 0   # all given back
                 return refused, shared, first, after
         finally:
             await engine.stop()

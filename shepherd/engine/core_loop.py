@@ -89,6 +89,7 @@ class CoreStep(NamedTuple):
     step_time: Optional[float]      # executor time of the step, None when no step ran
     generated: int
     lora_loads: tuple = ()          # seconds of each LoRA adapter load (host -> adapter slot) since the last
+    grammar_bytes: int = 0          # the executor's compiled grammars held for requests, bytes (after this turn)
 
 
 class CoreInfo(NamedTuple):
@@ -303,7 +304,8 @@ def run_loop(served: ServedCore, recv: Callable[[Optional[float]], list], send: 
             outs += served.abort_all(now)
             served.publish_kv_events()
             served.close()
-            send(CoreStep(answers, outs, stats_to_wire(served.scheduler.stats()), None, 0))
+            send(CoreStep(answers, outs, stats_to_wire(served.scheduler.stats()), None, 0,
+                          grammar_bytes=served.core.executor.grammar_bytes))
             return
         step_time, generated = None, 0
         if served.has_work:
@@ -314,7 +316,8 @@ def run_loop(served: ServedCore, recv: Callable[[Optional[float]], list], send: 
         if not stalled:
             stats = served.last_stats if step_time is not None else served.scheduler.stats()
             send(CoreStep(answers, outs, stats_to_wire(stats), step_time, generated,
-                          served.lora_loads if step_time is not None else ()))
+                          served.lora_loads if step_time is not None else (),
+                          served.core.executor.grammar_bytes))
 
 
 # ------------------------------------------------------------------ watchdog

@@ -225,6 +225,7 @@ class EngineFront:
                 answer_admission(stream, _admission_error(err))
         self._stats = stats_from_wire(step.stats)
         m.update_from_stats(self._stats)
+        m.grammar_bytes.set(step.grammar_bytes)
         if step.step_time is not None:
             m.steps.inc()
             m.step_time.observe(step.step_time)

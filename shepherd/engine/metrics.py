@@ -87,6 +87,8 @@ class EngineMetrics:
         # --- shepherd's own (beside FROM_STATS) ---
         self.steps = counter("shepherd:engine_steps", "Engine steps executed.")
         self.step_time = hist("shepherd:step_time_seconds", "Wall time of one executor step.", ITL_BUCKETS)
+        self.grammar_bytes = gauge("shepherd:grammar_held_bytes", "Bytes of the compiled grammars the requests in "
+                                   "flight hold (bounded by --max-grammar-memory; past it, 429).")
 
         # vLLM's: one series, its labels the adapters running and waiting, its value the time set
         self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",

@@ -432,6 +432,11 @@ class TorchExecutor:
         """step.Executor.drop_grammar."""
         self.sampler.grammar.forget(req_id)
 
+    @property
+    def grammar_bytes(self) -> int:
+        """step.Executor.grammar_bytes."""
+        return self.sampler.grammar.held_bytes
+
     def add(self, new: NewRequest) -> None:
         """A request seen for the first time (execute does this for batch.new)."""
         if new.adapter is not None and self.lora is None:
