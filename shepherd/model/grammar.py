@@ -359,7 +359,6 @@ class GrammarMasks:
         # held ~40 MB each (a 113 KB guided_choice of 4,000 random strings) for as long as their
         # requests lived, up to --max-concurrency of them.
         self.max_held_bytes = int(max_held_bytes)
-        self.held_bytes = 0
         self._holders: dict[int, list] = {}    # id(compiled) -> [requests holding it, its bytes]
         self.failed: dict[str, str] = {}   # req_id -> error, taken by the executor after sampling
         self._pool: Optional[ThreadPoolExecutor] = None          # compiles, at a lower priority
@@ -405,17 +404,21 @@ class GrammarMasks:
             self._hold(req_id, compiled, bounded=True)
         return True
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the grammars held for requests, each distinct grammar once."""
+        return sum(size for _, size in self._holders.values())
+
     def _hold(self, req_id: str, compiled: Any, bounded: bool) -> None:
         h = self._holders.get(id(compiled))
         if h is None:
-            size = compiled.memory_size_bytes
+            size, held = compiled.memory_size_bytes, self.held_bytes
             # the first grammar is always taken, however large, as the compiler's cache keeps its newest
-            if bounded and self.max_held_bytes and self.held_bytes and self.held_bytes + size > self.max_held_bytes:
+            if bounded and self.max_held_bytes and held and held + size > self.max_held_bytes:
                 raise ExecutorFull(f"compiled grammars held by requests in flight are at the server's bound "
-                                   f"({self.held_bytes / 2**20:.0f} MiB held, this one {size / 2**20:.1f} MiB; "
+                                   f"({held / 2**20:.0f} MiB held, this one {size / 2**20:.1f} MiB; "
                                    f"--max-grammar-memory {self.max_held_bytes / 2**20:.0f} MiB)")
             h = self._holders[id(compiled)] = [0, size]
-            self.held_bytes += size
         h[0] += 1
         self._held[req_id] = compiled
 
@@ -428,7 +431,6 @@ class GrammarMasks:
             h[0] -= 1
             if h[0] == 0:
                 del self._holders[id(compiled)]
-                self.held_bytes -= h[1]
 
     def _sync(self, req) -> Any:
         """The request's matcher, advanced over the output tokens it has not seen."""
