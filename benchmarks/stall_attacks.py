@@ -10,6 +10,7 @@
     python benchmarks/stall_attacks.py --target ray --stream-direct   # the stream straight to the replica
     python benchmarks/stall_attacks.py --attacks schema,fullbias --streams 32   # accepted bodies through the core pipe
     python benchmarks/stall_attacks.py --attacks prompt,chat --dump /tmp/w.json  # each window's raw chunk times
+    python benchmarks/stall_attacks.py --attacks answer,tok --repeat 1   # large valid answers (server RSS too)
 
 For each attack: an innocent client streams a completion (the official
 `openai` client, greedy, ignore_eos) and a poller GETs /health every 20 ms;
@@ -81,6 +82,11 @@ def attacks() -> dict:
         "detok": ("`/detokenize` of 1M tokens", "/detokenize",
                   _json({"tokens": [i % vocab for i in range(1_000_000)]})),
         "tok": ("`/tokenize` of 1M characters", "/tokenize", _json({"prompt": "abc def " * 125_000})),
+        # a valid request with a large answer: 8 x 2,905 prompt tokens x 21 entries, a 12 MB body the server
+        # renders after the work is done (use --repeat 1: each copy prefills its prompt 8 times)
+        "answer": ("non-streamed completion, echo + logprobs 20, n 8, a 2,905-token prompt", "/v1/completions",
+                   _json({"prompt": " ".join(f"word{i % 97}" for i in range(1000)), "echo": True, "logprobs": 20,
+                          "n": 8, "max_tokens": 1})),
     }
 
 
@@ -106,6 +112,14 @@ async def health_poller(url: str, stop_evt: asyncio.Event, out: list) -> None:
                 pass
             out.append((t0, time.perf_counter() - t0))
             await asyncio.sleep(0.02)
+
+
+async def rss_poller(pid: int, stop_evt: asyncio.Event, out: list) -> None:
+    """(time, the process's RSS in MB) every 20 ms, whether or not the server answers meanwhile."""
+    from _openai_client import rss_mb
+    while not stop_evt.is_set():
+        out.append((time.perf_counter(), rss_mb(pid)))
+        await asyncio.sleep(0.02)
 
 
 async def innocent(url: str, model: str, max_tokens: int, stop_evt: asyncio.Event, chunks: list) -> None:
@@ -173,10 +187,11 @@ def p99(xs: list) -> float:
 
 
 async def window(url: str, model: str, attack, repeat: int, max_tokens: int, timeout: float, pool,
-                 settle: float = 0.0, streams: int = 0, stream_url: str = "") -> dict:
+                 settle: float = 0.0, streams: int = 0, stream_url: str = "", rss_pid: int = 0) -> dict:
     stop_evt = asyncio.Event()
-    health, chunks = [], []
+    health, chunks, rss = [], [], []
     hp = asyncio.create_task(health_poller(url, stop_evt, health))
+    rp = asyncio.create_task(rss_poller(rss_pid, stop_evt, rss)) if rss_pid else None
     inn = asyncio.create_task(innocent(stream_url or url, model, max_tokens, stop_evt, chunks))
     # more streams beside the innocent one: the core's steps get longer (their chunks are not measured)
     load = [asyncio.create_task(innocent(url, model, max_tokens, stop_evt, [])) for _ in range(streams)]
@@ -204,14 +219,17 @@ async def window(url: str, model: str, attack, repeat: int, max_tokens: int, tim
         await asyncio.sleep(0.01)
     t_end = time.perf_counter()
     stop_evt.set()
-    await asyncio.gather(hp, inn, *load, return_exceptions=True)
+    await asyncio.gather(hp, inn, *load, *([rp] if rp else []), return_exceptions=True)
     lat = [d for t, d in health if t1 >= t >= t0 or (t < t0 <= t + d)]
     gaps = [b - a for (k0, a), (k1, b) in zip(chunks, chunks[1:]) if k0 == k1]
     gap_max, held = longest_gap(chunks, t0, t1)
     counts: dict = {}
     for s in statuses:
         counts[s] = counts.get(s, 0) + 1
-    return {"statuses": counts, "window_s": t1 - t0, "health_p99": p99(lat), "health_max": max(lat, default=0.0),
+    before = [m for t, m in rss if t <= t0]
+    inside = [m for t, m in rss if t0 <= t <= t1]
+    return {"rss_rise": max(inside) - before[-1] if before and inside else None,
+            "statuses": counts, "window_s": t1 - t0, "health_p99": p99(lat), "health_max": max(lat, default=0.0),
             "gap_max": gap_max, "gap_median": statistics.median(gaps) if gaps else 0.0,
             "held_after_gap": held,
             "answer_s": [d for _, d in answers], "t0": t0, "wall0": wall0, "t1": t1, "t_end": t_end,
@@ -223,10 +241,11 @@ def answer_times(r: dict) -> str:
     """The attackers' own side: for an accepted attack (the enum row) what a cap on the step's
     prompt tokens costs them (docs/SERVING.md, "The enum row")."""
     a = sorted(r["answer_s"])
+    rss = "" if r.get("rss_rise") is None else f"; the server process's RSS rose {r['rss_rise']:.0f} MB at most"
     if not a:
-        return "  attackers' answers: -"
+        return "  attackers' answers: -" + rss
     return (f"  attackers' answers: first {a[0]:.2f} s, median {statistics.median(a):.2f} s, "
-            f"last {a[-1]:.2f} s after the attack was sent")
+            f"last {a[-1]:.2f} s after the attack was sent{rss}")
 
 
 def fmt_statuses(c: dict) -> str:
@@ -369,9 +388,10 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--executor", default="torch", choices=["torch", "sim"])
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
-    ap.add_argument("--attacks", default=",".join(a for a in attacks() if a not in PIPE_ATTACKS),
+    ap.add_argument("--attacks", default=",".join(a for a in attacks() if a not in PIPE_ATTACKS + ("answer",)),
                     help="comma list of: " + ",".join(attacks()) + " (default: the issue's table; "
-                    + ",".join(PIPE_ATTACKS) + " are accepted bodies that reach the engine core's pipe)")
+                    + ",".join(PIPE_ATTACKS) + " are accepted bodies that reach the engine core's pipe; answer "
+                    "is a valid request whose answer is large, best with --repeat 1)")
     ap.add_argument("--repeat", type=int, default=10, help="copies of each attack sent at once")
     ap.add_argument("--streams", type=int, default=0, help="more streams flowing beside the innocent one, "
                     "unmeasured (longer engine steps: what a send that waits for the core's next read costs)")
@@ -416,7 +436,8 @@ def main() -> None:
             print(profile_report(sampler.samples, rows[0][1], args.logs, timeline=False), flush=True)
         for name in chosen:
             r = asyncio.run(window(url, model, every[name], args.repeat, args.max_tokens, args.timeout, pool,
-                                   args.settle, args.streams, stream_url))
+                                   args.settle, args.streams, stream_url,
+                                   procs[0].pid if args.target == "serve" else 0))
             rows.append((every[name][0], r))
             print(table(rows[-1:], args.repeat, args.target).splitlines()[-1], flush=True)
             print(answer_times(r), flush=True)

@@ -362,6 +362,78 @@ def test_unknown_route_has_error_body(client):
     assert r.status_code == 404 and "error" in r.json()
 
 
+def test_logprob_answers_are_bounded(tok):
+    """A non-streamed answer is held whole until sent: past --max-logprob-entries it is a 400 whose
+    requests are aborted (before any work when the prompts' logprobs alone pass it); a streamed
+    answer and a smaller one are served whole."""
+    ex = ScriptedExecutor(tok, tok.encode(TEXT), delay=0.001)
+    engine = Engine(EngineConfig(executor="sim"), executor=ex, tokenizer=tok)
+    with EngineServer(engine, ServerConfig(max_logprob_entries=100)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "logprobs": True, "top_logprobs": 2,
+                "ignore_eos": True}
+        r = c.post("/v1/chat/completions", json={**chat, "max_tokens": 40})      # 2 x 40 x 3 = 240 entries
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "request_too_large", r.text
+        assert "--max-logprob-entries" in err["message"] and "stream" in err["message"]
+        wait_idle(engine)                                    # its two requests were aborted
+        r = c.post("/v1/chat/completions", json={**chat, "max_tokens": 10})      # 60 entries
+        assert r.status_code == 200, r.text
+        for ch in r.json()["choices"]:
+            content = ch["logprobs"]["content"]
+            assert len(content) == 10 and all(len(t["top_logprobs"]) == 2 for t in content)
+        r = c.post("/v1/chat/completions", json={**chat, "max_tokens": 40, "stream": True})
+        chunks = [e for e in sse_events(r.text) if e["choices"] and e["choices"][0]["logprobs"]]
+        assert r.status_code == 200 and sum(len(e["choices"][0]["logprobs"]["content"]) for e in chunks) == 80
+        # echo: the prompt's logprobs alone are 40 x 3 entries, known before any work
+        r = c.post("/v1/completions", json={"prompt": list(range(1, 41)), "echo": True, "logprobs": 2,
+                                            "max_tokens": 1})
+        assert r.status_code == 400 and "prompts' logprobs alone" in r.json()["error"]["message"], r.text
+        assert engine.stats().num_waiting == engine.stats().num_running == 0
+
+
+def test_large_answer_arrives_whole(client, tok):
+    """An answer of many chunks (logprobs) is sent with its Content-Length and parses whole."""
+    from shepherd.server.common import ANSWER_CHUNK
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "logprobs": 2,
+                                             "n": 8})
+    assert r.status_code == 200 and int(r.headers["content-length"]) == len(r.content) > 2 * ANSWER_CHUNK
+    for ch in r.json()["choices"]:
+        lp = ch["logprobs"]
+        assert len(lp["tokens"]) == len(lp["top_logprobs"]) == 1500 and ch["text"].startswith("".join(lp["tokens"][:5]))
+        assert all(len(t) == 2 for t in lp["top_logprobs"])
+
+
+def test_answers_encode_as_starlette_does():
+    """Answers are encoded a slice at a time (common.json_pieces, so the event loop is never held
+    for a whole large answer); the bytes are exactly JSONResponse's, callables rendered in place."""
+    import random
+
+    from starlette.responses import JSONResponse
+
+    from shepherd.server.common import JSON_SLICE, json_chunks
+    rng = random.Random(7)
+
+    def json_bytes(obj) -> bytes:
+        return b"".join(json_chunks(obj))
+
+    def value(depth):
+        r = rng.random()
+        if depth == 0 or r < 0.3:
+            return rng.choice([1, -2.5, 'q"\u00e9\\', None, True, 1e-300, "\U0001d11e", ""])
+        if r < 0.6:
+            return {f"k{i}": value(depth - 1) for i in range(rng.randrange(4))}
+        if r < 0.9:
+            return [value(depth - 1) for _ in range(rng.randrange(4))]
+        return [value(0) for _ in range(rng.choice([JSON_SLICE - 1, JSON_SLICE, JSON_SLICE + 1, 3 * JSON_SLICE]))]
+
+    for _ in range(500):
+        obj = value(7)
+        assert json_bytes(obj) == JSONResponse(obj).body
+    big = [{"t": i, "top": {str(j): -j / 3 for j in range(5)}} for i in range(2 * JSON_SLICE + 5)]
+    assert json_bytes({"choices": [lambda: {"logprobs": big}]}) == JSONResponse({"choices": [{"logprobs": big}]}).body
+
+
 # ---------------------------------------------------------------- disconnects
 def test_stream_disconnect_aborts_and_frees_kv(scripted):
     engine = scripted.engine

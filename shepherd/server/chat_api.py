@@ -8,6 +8,7 @@ arguments. A named choice's text is the call's arguments, streamed as
 argument deltas as it is generated."""
 from __future__ import annotations
 
+import functools
 import time
 
 from fastapi import Request
@@ -60,20 +61,22 @@ class ChatRoutes:
         ids_len, logprobs = meta["prompt_tokens"], meta["logprobs"]
         if body.stream:
             return sse_response(self.stream(body, streams, meta), streams)
-        res = await until_disconnect(request, collect(streams))
+        res = await until_disconnect(request, collect(streams, ctx.limits.max_logprob_entries))
         if res is None:
             return Response(status_code=499)
         texts, lps, final, _ = res
-        choices = []
-        for i in range(len(streams)):
+
+        def choice(i: int) -> dict:
             msg, reason = self.message(body, texts[i], final[i].finish_reason)
-            choices.append({"index": i, "message": msg,
-                            "logprobs": chat_logprobs(ctx.tokstr, lps[i]) if logprobs is not None else None,
-                            "finish_reason": reason, "stop_reason": final[i].stop_reason})
-        return {"id": rid, "object": "chat.completion", "created": meta["created"], "model": meta["model"],
-                "choices": choices,
-                "usage": usage_dict(ids_len, sum(f.completion_tokens for f in final),
-                                    max(f.cached_tokens for f in final))}
+            return {"index": i, "message": msg,
+                    "logprobs": chat_logprobs(ctx.tokstr, lps[i]) if logprobs is not None else None,
+                    "finish_reason": reason, "stop_reason": final[i].stop_reason}
+
+        answer = {"id": rid, "object": "chat.completion", "created": meta["created"], "model": meta["model"],
+                  "choices": [functools.partial(choice, i) for i in range(len(streams))],
+                  "usage": usage_dict(ids_len, sum(f.completion_tokens for f in final),
+                                      max(f.cached_tokens for f in final))}
+        return await ctx.answer(answer, sum(body.logprob_entries(ids_len, f.completion_tokens) for f in final))
 
     @staticmethod
     def scanned_deltas(i: int, events: list, call_ids: dict) -> list[dict]:

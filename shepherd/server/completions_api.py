@@ -1,6 +1,7 @@
 """POST /v1/completions: prompts (text, token ids, batches) x n choices, echo, stream or not."""
 from __future__ import annotations
 
+import functools
 import time
 from typing import Optional
 
@@ -48,32 +49,35 @@ class CompletionRoutes:
         prompts = await self.prompts(body)
         max_tokens = [ctx.resolve_max_tokens(len(ids), body.max_tokens, 16) for ids in prompts]
         jobs = ctx.jobs(body, prompts, max_tokens, body.logprobs, grammar, bias)
+        echo = [await ctx.decode(ids) if body.echo else "" for ids, _ in jobs]   # may 429: before any work
         streams = await submit_all(ctx.engine, jobs, ctx.client_of(request, body), body.priority, rid,
                                    ctx.adapter_of(body))
-        echo = [await ctx.decode(ids) if body.echo else "" for ids, _ in jobs]
         meta = {"rid": rid, "created": int(time.time()), "model": ctx.adapter_of(body) or ctx.served_name,
                 "prompt_tokens": sum(len(p) for p in prompts)}
         prompt_ids = [ids for ids, _ in jobs]
         if body.stream:
             return sse_response(self.stream(body, streams, echo, prompt_ids, meta), streams)
-        res = await until_disconnect(request, collect(streams))
+        res = await until_disconnect(request, collect(streams, ctx.limits.max_logprob_entries))
         if res is None:
             return Response(status_code=499)
         texts, lps, final, ids = res
-        choices = [{"index": i, "text": echo[i] + texts[i],
-                    "logprobs": self.logprobs(body, prompt_ids[i], final[i].prompt_logprobs, lps[i], len(echo[i])),
-                    "finish_reason": final[i].finish_reason, "stop_reason": final[i].stop_reason}
-                   for i in range(len(streams))]
-        if body.return_token_ids:
-            for c, p, t in zip(choices, prompt_ids, ids):
-                c["prompt_token_ids"], c["token_ids"] = p, t
-        if body.prompt_logprobs is not None:
-            for c, f in zip(choices, final):
-                c["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokstr, f.prompt_logprobs)
-        return {"id": rid, "object": "text_completion", "created": meta["created"], "model": meta["model"],
-                "choices": choices,
-                "usage": usage_dict(meta["prompt_tokens"], sum(f.completion_tokens for f in final),
-                                    max(f.cached_tokens for f in final))}
+
+        def choice(i: int) -> dict:
+            c = {"index": i, "text": echo[i] + texts[i],
+                 "logprobs": self.logprobs(body, prompt_ids[i], final[i].prompt_logprobs, lps[i], len(echo[i])),
+                 "finish_reason": final[i].finish_reason, "stop_reason": final[i].stop_reason}
+            if body.return_token_ids:
+                c["prompt_token_ids"], c["token_ids"] = prompt_ids[i], ids[i]
+            if body.prompt_logprobs is not None:
+                c["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokstr, final[i].prompt_logprobs)
+            return c
+
+        answer = {"id": rid, "object": "text_completion", "created": meta["created"], "model": meta["model"],
+                  "choices": [functools.partial(choice, i) for i in range(len(streams))],
+                  "usage": usage_dict(meta["prompt_tokens"], sum(f.completion_tokens for f in final),
+                                      max(f.cached_tokens for f in final))}
+        return await ctx.answer(answer, sum(body.logprob_entries(len(p), f.completion_tokens)
+                                            for p, f in zip(prompt_ids, final)))
 
     def logprobs(self, body: CompletionRequest, prompt_ids: list[int], plp, lps, offset: int) -> Optional[dict]:
         """A choice's `logprobs` (or a chunk's): the completion's tokens from `offset` in the text;

@@ -140,10 +140,25 @@ async def sse_events(streams: list[RequestStream], on_output, usage_chunk, prelu
         release(streams)
 
 
-async def collect(streams: list[RequestStream]):
+def too_many_logprobs(entries: int, cap: int, when: str) -> APIError:
+    return APIError(400, f"this answer would carry more than {cap:,} logprob entries (choices x tokens x "
+                         f"(alternatives + 1); {entries:,} {when}), more than a non-streamed answer may hold "
+                         "(--max-logprob-entries); stream it (stream: true) or lower n, max_tokens or the "
+                         "number of logprobs", param="n", code="request_too_large")
+
+
+def logprob_entries(lps) -> int:
+    """Entries in a list of TokenLogprob (None for the prompt's first token): each one's own plus its alternatives."""
+    return sum(1 + len(lp.top) for lp in lps if lp is not None)
+
+
+async def collect(streams: list[RequestStream], max_entries: Optional[int] = None):
     """Non-streaming answer: each choice's whole text, logprobs, terminal output (which carries
-    the prompt's logprobs when they were asked for: they come with the first token) and token ids."""
+    the prompt's logprobs when they were asked for: they come with the first token) and token ids.
+    The answer is held whole until it is sent, so once its logprobs pass `max_entries` it ends
+    with a 400 (its requests aborted) instead of growing further."""
     n = len(streams)
+    held = 0
     texts = [""] * n
     ids: list[list[int]] = [[] for _ in range(n)]
     lps: list[list] = [[] for _ in range(n)]
@@ -156,8 +171,12 @@ async def collect(streams: list[RequestStream]):
             texts[i] += out.text
             ids[i].extend(out.token_ids)
             lps[i].extend(out.logprobs)
+            held += logprob_entries(out.logprobs)
             if out.prompt_logprobs is not None:
                 plps[i] = out.prompt_logprobs
+                held += logprob_entries(out.prompt_logprobs)
+            if max_entries is not None and held > max_entries:
+                raise too_many_logprobs(held, max_entries, "when it was stopped")
             if out.finished:
                 final[i] = out
                 out.prompt_logprobs = plps[i]

@@ -34,6 +34,7 @@ class Limits:
     max_logit_bias: int        # 400: entries; the vocabulary size
     max_grammar_bytes: int     # 400 invalid_grammar
     grammar_timeout: float     # 400 invalid_grammar
+    max_logprob_entries: int   # 400 request_too_large: a non-streamed answer's worst case
 
     @classmethod
     def resolve(cls, cfg: ServerConfig, context_len: int, tokenizer) -> "Limits":
@@ -42,4 +43,5 @@ class Limits:
         return cls(max_body_bytes=int(body), max_json_depth=int(cfg.max_json_depth),
                    body_timeout=float(cfg.body_timeout), max_prompt_chars=prompt_chars,
                    max_logit_bias=int(tokenizer.vocab_size), max_grammar_bytes=int(cfg.max_grammar_bytes),
-                   grammar_timeout=float(cfg.grammar_timeout))
+                   grammar_timeout=float(cfg.grammar_timeout),
+                   max_logprob_entries=int(cfg.max_logprob_entries))

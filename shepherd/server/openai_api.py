@@ -41,8 +41,10 @@ from shepherd.engine.metrics import CONTENT_TYPE_LATEST
 from shepherd.request import SamplingParams, context_error
 from shepherd.server import tools
 from shepherd.server.chat_api import ChatRoutes
-from shepherd.server.common import APIError, TokenStrings, error_response, validation_message
+from shepherd.server.common import (APIError, TokenStrings, error_response, json_answer, json_chunks,
+                                    validation_message)
 from shepherd.server.completions_api import CompletionRoutes
+from shepherd.server.engine_io import too_many_logprobs
 from shepherd.server.grammar_check import GrammarCheck
 from shepherd.server.guard import BODY_CAP_HEADER, BodyGuard, JsonRoute
 from shepherd.server.limits import Limits
@@ -104,6 +106,14 @@ class ApiContext:
                                     f"than the server ever admits ({name} {limit}); split it",
                                param="n", code="request_too_large")
 
+    def check_held(self, body, entries: int) -> None:
+        """A non-streamed answer is held whole until it is sent (a streamed one is not): one whose
+        prompts' logprobs alone pass --max-logprob-entries is a 400 before any work; the output's
+        are counted as they come (engine_io.collect)."""
+        cap = self.limits.max_logprob_entries
+        if entries > cap and not body.stream:
+            raise too_many_logprobs(entries, cap, "in the prompts' logprobs alone")
+
     def too_long(self, tokens: int, param: str) -> APIError:
         cap = min(self.ctx_len, self.engine.kv_capacity)
         return APIError(400, f"This model's maximum context length is {cap} tokens. However, your prompt has "
@@ -163,6 +173,12 @@ class ApiContext:
 
     async def decode(self, ids: list[int]) -> str:
         return await self.work.run(self.tok.decode, ids, False, cost=len(ids))
+
+    async def answer(self, body: dict, cost: int) -> Response:
+        """A non-streamed answer as JSON. `cost`: its logprob entries (or token ids); a large one
+        is encoded in the worker a slice at a time, and waits its turn there rather than being
+        refused: the engine's work is done."""
+        return json_answer(await self.work.run(json_chunks, body, cost=cost, may_refuse=False))
 
     # --------------------------------------------------------------- sampling
     async def grammar(self, body, tool_spec=None) -> Optional[tuple[str, str]]:
@@ -227,6 +243,7 @@ class ApiContext:
              grammar, bias) -> list:
         """(prompt ids, SamplingParams) per choice: every prompt n times, seeds counted up."""
         self.check_admissible(len(prompts) * body.n)
+        self.check_held(body, body.n * sum(body.logprob_entries(len(ids), 0) for ids in prompts))
         out = []
         for pi, ids in enumerate(prompts):
             for _ in range(body.n):

@@ -96,6 +96,11 @@ class _Sampling(BaseModel):
             raise ValueError("at most 16 stop sequences")
         return v
 
+    def logprob_entries(self, prompt_tokens: int, out_tokens: int) -> int:
+        """Logprob entries (each token's own plus its alternatives) one choice of the answer
+        carries, given its prompt's and its output's lengths."""
+        return 0
+
     @property
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -132,6 +137,14 @@ class CompletionRequest(_Sampling):
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    def logprob_entries(self, prompt_tokens: int, out_tokens: int) -> int:
+        n = 0
+        if self.logprobs is not None:
+            n += (out_tokens + (prompt_tokens if self.echo else 0)) * (self.logprobs + 1)
+        if self.prompt_logprobs is not None:
+            n += prompt_tokens * (self.prompt_logprobs + 1)
+        return n
 
     @property
     def prompt_logprobs_n(self) -> Optional[int]:
@@ -232,6 +245,9 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[Tool]] = Field(None, max_length=128)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
+
+    def logprob_entries(self, prompt_tokens: int, out_tokens: int) -> int:
+        return out_tokens * ((self.top_logprobs or 0) + 1) if self.logprobs else 0
 
     @model_validator(mode="after")
     def _checks(self):

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--max-grammar-bytes", int, ServerConfig.max_grammar_bytes, "larger structured-output specs get 400"),
         ("--grammar-timeout", float, ServerConfig.grammar_timeout,
          "seconds a grammar may take to compile; longer gets 400"),
+        ("--max-logprob-entries", int, ServerConfig.max_logprob_entries,
+         "a non-streamed answer that could carry more logprob entries (choices x tokens x (alternatives + 1)) "
+         "gets 400; streamed answers are not held"),
     ])
     g.add_argument("--max-grammar-memory", type=int, default=EngineConfig.max_grammar_memory >> 20, metavar="MIB",
                    help="MiB of compiled grammars the requests in flight may hold (distinct grammars counted once); "
@@ -264,12 +267,14 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
         raise ConfigError("--max-body-bytes must be >= 1024 and --max-json-depth >= 4")
     if args.body_timeout <= 0 or args.grammar_timeout <= 0 or args.max_grammar_bytes < 64:
         raise ConfigError("--body-timeout and --grammar-timeout must be > 0, --max-grammar-bytes >= 64")
+    if args.max_logprob_entries < 1:
+        raise ConfigError("--max-logprob-entries must be >= 1")
     srv = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                        served_model_name=args.served_model_name, chat_template=template,
                        tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_body_bytes,
                        max_json_depth=args.max_json_depth, body_timeout=args.body_timeout,
                        max_grammar_bytes=args.max_grammar_bytes, grammar_timeout=args.grammar_timeout,
-                       warm_grammar_worker=True)
+                       max_logprob_entries=args.max_logprob_entries, warm_grammar_worker=True)
     return eng, srv
 
 

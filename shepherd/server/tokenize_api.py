@@ -31,10 +31,9 @@ def add_tokenize_routes(app: FastAPI, ctx) -> None:
         else:
             text, special, param = body.prompt, body.add_special_tokens is not False, "prompt"
         ids = await ctx.encode(text, special, param)
-        out = {"count": len(ids), "max_model_len": ctx.ctx_len, "tokens": ids, "token_strs": None}
-        if body.return_token_strs:
-            out["token_strs"] = [tok.id_to_token(i) for i in ids]
-        return out
+        strs = (lambda: [tok.id_to_token(i) for i in ids]) if body.return_token_strs else None
+        return await ctx.answer({"count": len(ids), "max_model_len": ctx.ctx_len, "tokens": ids,
+                                 "token_strs": strs}, len(ids))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

@@ -1,18 +1,20 @@
 """Work that grows with a request's size runs here, not on the event loop.
 
-Tokenizing a long prompt, rendering a long chat and decoding a long token
-list take time in proportion to the input. On the event loop that time
-freezes every other request and /health; in an unbounded thread pool, a few
-such requests take every core from the engine. So the work runs in one
-worker thread at a lower priority (Linux: nice is per thread), small jobs
-run inline (a thread hop costs more than they do), and the queue is bounded
-both ways: at most `max_waiting` jobs wait, and a job that could not start
-within `wait_budget` seconds is refused with 429 (Retry-After) instead of
-growing the line.
+Tokenizing a long prompt, rendering a long chat, decoding a long token list
+and encoding a long answer (logprobs) take time in proportion to their size.
+On the event loop that time freezes every other request and /health; in an
+unbounded thread pool, a few such requests take every core from the engine.
+So the work runs in one worker thread at a lower priority (Linux: nice is
+per thread), small jobs run inline (a thread hop costs more than they do),
+and the queue is bounded both ways: at most `max_waiting` jobs wait, and a
+job that could not start within `wait_budget` seconds is refused with 429
+(Retry-After) instead of growing the line.
 
 The tokenizer releases the GIL while it works (measured: a 1M-character
 encode in a thread left the event loop's longest pause at 49 ms), so the
-loop keeps serving while the worker runs.
+loop keeps serving while the worker runs. Python code in the worker gives
+the GIL up every switch interval (5 ms); one long C call does not, which
+is why answers are encoded a slice at a time (common.json_pieces).
 """
 from __future__ import annotations
 
@@ -34,24 +36,29 @@ class WorkPool:
         self._slots: Optional[asyncio.Semaphore] = None
         self._waiting = 0
 
-    async def run(self, fn: Callable[..., Any], *args, cost: int = INLINE_COST) -> Any:
+    async def run(self, fn: Callable[..., Any], *args, cost: int = INLINE_COST, may_refuse: bool = True) -> Any:
         """fn(*args), inline when `cost` is small, else in the worker. Raises APIError 429 when
-        the worker's queue is full or the job could not start within the wait budget."""
+        the worker's queue is full or the job could not start within the wait budget, unless
+        `may_refuse` is False: an answer the engine has already computed waits its turn instead
+        (refusing it then would throw the work away)."""
         if cost < INLINE_COST:
             return fn(*args)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shepherd-work",
                                             initializer=functools.partial(lower_thread_priority, 5))
             self._slots = asyncio.Semaphore(self.workers)
-        if self._waiting >= self.max_waiting:
-            raise self._busy(f"{self.max_waiting} large requests are already waiting to be prepared")
-        self._waiting += 1
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.wait_budget)
-        except asyncio.TimeoutError:
-            raise self._busy(f"a large request could not start within {self.wait_budget:g} s") from None
-        finally:
-            self._waiting -= 1
+        if not may_refuse:
+            await self._slots.acquire()
+        else:
+            if self._waiting >= self.max_waiting:
+                raise self._busy(f"{self.max_waiting} large requests are already waiting to be prepared")
+            self._waiting += 1
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.wait_budget)
+            except asyncio.TimeoutError:
+                raise self._busy(f"a large request could not start within {self.wait_budget:g} s") from None
+            finally:
+                self._waiting -= 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         finally:
