@@ -87,6 +87,8 @@ def attacks() -> dict:
         "answer": ("non-streamed completion, echo + logprobs 20, n 8, a 2,905-token prompt", "/v1/completions",
                    _json({"prompt": " ".join(f"word{i % 97}" for i in range(1000)), "echo": True, "logprobs": 20,
                           "n": 8, "max_tokens": 1})),
+        "long": ("completion of a fresh 2,905-token prompt", "/v1/completions",
+                 _json({"prompt": " ".join(f"term{i % 89}" for i in range(1000)), "max_tokens": 1})),
     }
 
 

@@ -119,6 +119,20 @@ def test_non_streaming_pass_through(cluster_factory):
     assert c.fakes[0].bodies[-1] == BODY            # body forwarded unchanged
 
 
+def test_usage_is_read_from_the_answers_tail():
+    """vtc-basic counts each answer's completion_tokens; it reads the usage after its key, whatever
+    the answer holds before it (text that says "usage", logprobs), and 0 when there is none."""
+    from shepherd.gateway.intake import usage_tokens
+    usage = {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+    body = {"choices": [{"text": 'the "usage": {"completion_tokens": 99}', "logprobs": {"tokens": ["a"] * 1000}}],
+            "usage": usage}
+    assert usage_tokens(json.dumps(body).encode()) == 7
+    assert usage_tokens(json.dumps(body, separators=(",", ":")).encode()) == 7
+    assert usage_tokens(json.dumps({"usage": usage, "choices": ["usage"]}).encode()) == 7
+    assert usage_tokens(json.dumps({"choices": [{"text": "no usage here"}]}).encode()) == 0
+    assert usage_tokens(b'{"usage": null}') == 0 and usage_tokens(b"not json") == 0
+
+
 def test_models_merged_health_and_metrics(cluster_factory):
     c = cluster_factory(n=2)
     ids = sorted(m["id"] for m in c.client.get("/v1/models").json()["data"])

@@ -120,10 +120,20 @@ async def json_500_on_error(handler, scope, receive, send, who: str, log) -> Non
 
 
 def usage_tokens(data: bytes) -> int:
-    """completion_tokens of a JSON answer's usage (0 when there is none)."""
+    """completion_tokens of a JSON answer's usage (0 when there is none). OpenAI-style answers
+    (ours, vLLM's, SGLang's) put `usage` last, so only the object after its key is decoded: an
+    answer of logprobs can be tens of MB, and parsing it whole held the gateway's event loop
+    for as long as that took. Elsewhere (a key `"usage"` not followed by `:`), the whole answer."""
+    at = data.rfind(b'"usage"')
+    if at < 0:
+        return 0
     try:
-        u = json.loads(data).get("usage") or {}
-        return int(u.get("completion_tokens") or 0)
+        rest = data[at + 7:].decode("utf-8").lstrip()
+        if rest.startswith(":"):
+            u, _ = json.JSONDecoder().raw_decode(rest[1:].lstrip())
+        else:
+            u = json.loads(data).get("usage")
+        return int((u or {}).get("completion_tokens") or 0)
     except (ValueError, AttributeError, TypeError):
         return 0
 
