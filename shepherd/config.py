@@ -333,8 +333,9 @@ class ServerConfig:
     body_timeout: float = 30.0           # seconds for a whole request body to arrive; slower -> 408
     max_grammar_bytes: int = 128 << 10   # larger grammar specs (schema, regex, choices, EBNF) get 400
     grammar_timeout: float = 5.0         # a grammar that does not compile in this many seconds gets 400
-    # a non-streamed answer that could carry more logprob entries (choices x tokens x (alternatives
-    # + 1)) gets 400: the server holds such an answer whole until it is sent (~170 B an entry)
+    # what one answer may hold in the server, in logprob entries (choices x tokens x (alternatives
+    # + 1); tokens too for a stream): a non-streamed answer whole (more: 400), a streamed one what
+    # its client has not read yet (more: the answer is cut). ~150 B an entry (docs/SERVING.md)
     max_logprob_entries: int = 1 << 20
     warm_grammar_worker: bool = False    # start the grammar worker process with the server
     chat_template: Optional[str] = None  # jinja text replacing the model's template (--chat-template FILE)

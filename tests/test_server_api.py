@@ -392,6 +392,40 @@ def test_logprob_answers_are_bounded(tok):
         assert engine.stats().num_waiting == engine.stats().num_running == 0
 
 
+def test_a_stream_nobody_reads_is_cut(tok):
+    """A streamed answer whose client stops reading is cut once what waits unsent passes
+    --max-logprob-entries (tokens and logprob entries): its requests end without the client
+    reading a byte, and the stream ends with the error event and [DONE]. A client that reads
+    gets the same answer whole."""
+    ex = ScriptedExecutor(tok, tok.encode(TEXT), delay=0.001)
+    engine = Engine(EngineConfig(executor="sim"), executor=ex, tokenizer=tok)
+    # ~16 MB of events: past what the sockets' buffers take, whatever the kernel's sizes
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 16, "logprobs": True, "top_logprobs": 2,
+            "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with EngineServer(engine, ServerConfig(max_logprob_entries=5000)) as srv:
+        raw = json.dumps(body).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)    # before connect: a small window
+        s.connect(("127.0.0.1", srv.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+        wait_idle(engine, timeout=60)          # cut while the client has read nothing
+        s.settimeout(10)
+        got = b""
+        while not got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            chunk = s.recv(1 << 20)
+            assert chunk, got[-300:]
+            got += chunk
+        s.close()
+        assert b"the client read too slowly" in got and b"--max-logprob-entries" in got
+        assert got.count(b'"finish_reason": "stop"') + got.count(b'"finish_reason": "length"') == 0
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            events = sse_events(c.post("/v1/chat/completions", json={**body, "max_tokens": 300}).text)
+        assert not any("error" in e for e in events)
+        assert sum(len(e["choices"][0]["logprobs"]["content"]) for e in events
+                   if e["choices"] and e["choices"][0]["logprobs"]) == 16 * 300
+
+
 def test_large_answer_arrives_whole(client, tok):
     """An answer of many chunks (logprobs) is sent with its Content-Length and parses whole."""
     from shepherd.server.common import ANSWER_CHUNK

@@ -43,7 +43,7 @@ from shepherd.engine.core_loop import (ABORT, ADD, FINISH, LORA_LOAD, LORA_UNLOA
                                        WATCHDOG_EXIT_CODE, CoreInfo, CoreStep, run_loop, start_watchdog,
                                        stats_from_wire, watchdog_exit)
 from shepherd.engine.metrics import EngineMetrics
-from shepherd.engine.output import EngineOutput, OutputProcessor, RequestStream, answer_admission
+from shepherd.engine.output import Backlog, EngineOutput, OutputProcessor, RequestStream, answer_admission
 from shepherd.kv_events.hashing import BLOCK_SIZE
 from shepherd.request import Request, SamplingParams
 from shepherd.scheduler.scheduler import QueueFull, RequestRejected, SchedulerStats
@@ -129,13 +129,16 @@ class EngineFront:
         return f"{prefix}-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, req_id: Optional[str] = None,
-               client: str = "default", priority: int = 0, adapter: Optional[str] = None) -> RequestStream:
+               client: str = "default", priority: int = 0, adapter: Optional[str] = None,
+               backlog: Optional[Backlog] = None) -> RequestStream:
         """Hand a request to the core (call from the running event loop).
 
         Returns a RequestStream at once; `await` it to learn whether the scheduler
         accepted the request (raises QueueFull, RequestRejected, EngineDeadError),
         then iterate it. Raises EngineDeadError right away if the engine is not running.
-        adapter: the name of a loaded LoRA adapter to run with (None: the base model)."""
+        adapter: the name of a loaded LoRA adapter to run with (None: the base model).
+        backlog: shared by the streams of one streamed answer: past its limit of unsent output
+        the answer's requests are cut (output.Backlog)."""
         loop = asyncio.get_running_loop()
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -145,7 +148,7 @@ class EngineFront:
         req = Request(req_id=req_id, prompt_ids=list(prompt_ids), params=params, arrival=time.monotonic(),
                       client=client or "default", priority=int(priority or 0),
                       eos_token_ids=self.eos_token_ids, adapter=adapter)
-        stream = RequestStream(self, req_id, loop)
+        stream = RequestStream(self, req_id, loop, backlog)
         self._admitting[req_id] = (stream, req)
         self.outputs.track(req, stream)
         self._send([(ADD, req)])

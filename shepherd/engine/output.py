@@ -3,8 +3,8 @@ per-request metrics. Runs on the server's event loop, never in the core's loop.
 
     proc = OutputProcessor(tokenizer, metrics)
     proc.track(req, stream)                         # at submit
-    finish_ids = proc.on_outputs(core_outputs, now) # per CoreStep; ids whose stop string matched here
-                                                    # (the caller tells the core to finish them)
+    finish_ids = proc.on_outputs(core_outputs, now) # per CoreStep; ids whose stop string matched here,
+                                                    # or cut (Backlog): the caller tells the core to finish them
 
 One IncrementalDetokenizer per request. Stop strings are searched in the
 accumulated text (so they are found when they span tokens), cut from the
@@ -51,6 +51,33 @@ class EngineOutput:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
+def logprob_entries(lps) -> int:
+    """Entries in a list of TokenLogprob (None for the prompt's first token): each one's own plus its alternatives."""
+    return sum(1 + len(lp.top) for lp in lps if lp is not None)
+
+
+def output_weight(out: EngineOutput) -> int:
+    """What an output holds until it is sent: its tokens and logprob entries."""
+    return len(out.token_ids) + logprob_entries(out.logprobs) + logprob_entries(out.prompt_logprobs or ())
+
+
+class Backlog:
+    """What one streamed answer's requests (its n choices) have produced and its client has not
+    read yet, in tokens and logprob entries (output_weight). A client that stops reading leaves
+    its outputs in the server for as long as the requests generate (~2.9 KB a token with 20
+    logprobs: benchmarks/slow_reader.py); past `limit` the answer's requests are cut
+    (OutputProcessor.on_outputs)."""
+
+    __slots__ = ("limit", "pending")
+
+    def __init__(self, limit: int):
+        self.limit, self.pending = limit, 0
+
+    @property
+    def over(self) -> bool:
+        return self.pending > self.limit
+
+
 class RequestStream:
     """One request's EngineOutputs: awaitable (admission) and async-iterable (deltas).
 
@@ -61,10 +88,11 @@ class RequestStream:
     Leaving the iteration early does not abort by itself: call `abort()` (the
     server does so in a finally on every exit path)."""
 
-    def __init__(self, engine, req_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine, req_id: str, loop: asyncio.AbstractEventLoop, backlog: Optional[Backlog] = None):
         self.engine = engine
         self.req_id = req_id
         self.loop = loop
+        self.backlog = backlog
         self.queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self.finished = False
         self.admitted: asyncio.Future = loop.create_future()
@@ -99,7 +127,14 @@ class RequestStream:
             self.engine.abort(self.req_id)
 
     def put(self, out: EngineOutput) -> None:   # on the loop
+        if self.backlog is not None:
+            self.backlog.pending += output_weight(out)
         self.queue.put_nowait(out)
+
+    def sent(self, out: EngineOutput) -> None:
+        """The consumer has handed `out` on to its client (the backlog shrinks by it)."""
+        if self.backlog is not None:
+            self.backlog.pending -= output_weight(out)
 
 
 class _Track:
@@ -184,9 +219,11 @@ class OutputProcessor:
         self.tracks.pop(req_id, None)
 
     def on_outputs(self, outs, now: float) -> list[str]:
-        """Core outputs -> stream deltas; returns the ids that a stop string finished here."""
+        """Core outputs -> stream deltas; returns the ids that end here: a stop string matched, or
+        their answer's client left too much unread (Backlog), for the core to finish."""
         from shepherd.engine.core_loop import CoreOutput
         finish: list[str] = []
+        over: list[Backlog] = []
         for t in outs:
             o = CoreOutput._make(t)
             tr = self.tracks.get(o.req_id)
@@ -194,7 +231,23 @@ class OutputProcessor:
                 continue
             if self._on_output(tr, o, now):
                 finish.append(o.req_id)
+            b = tr.stream.backlog
+            if b is not None and b.over and b not in over:
+                over.append(b)
+        for b in over:
+            finish += self._cut(b, now)
         return finish
+
+    def _cut(self, backlog: Backlog, now: float) -> list[str]:
+        """End every request of an answer whose client is this far behind: an error output each
+        (what was produced before it is still sent), and their ids to finish in the core."""
+        msg = (f"the client read too slowly: {backlog.pending:,} tokens and logprob entries were waiting to "
+               f"be sent, more than one answer may hold (--max-logprob-entries {backlog.limit:,}); the answer "
+               "was cut")
+        cut = [tr for tr in self.tracks.values() if tr.stream.backlog is backlog and not tr.done]
+        for tr in cut:
+            self._emit(tr, [], [], now, None, finished=True, reason="error", error=msg, error_kind="request")
+        return [tr.req.req_id for tr in cut]
 
     def _on_output(self, tr: _Track, o, now: float) -> bool:
         req = tr.req

@@ -51,7 +51,7 @@ class ChatRoutes:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         jobs = ctx.jobs(body, [ids], [max_tokens], logprobs, grammar, bias)
         streams = await submit_all(ctx.engine, jobs, ctx.client_of(request, body), body.priority, rid,
-                                   ctx.adapter_of(body))
+                                   ctx.adapter_of(body), ctx.unsent_limit(body))
         return streams, {"rid": rid, "created": int(time.time()), "model": ctx.adapter_of(body) or ctx.served_name,
                          "prompt_tokens": len(ids), "logprobs": logprobs}
 

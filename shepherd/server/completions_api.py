@@ -51,7 +51,7 @@ class CompletionRoutes:
         jobs = ctx.jobs(body, prompts, max_tokens, body.logprobs, grammar, bias)
         echo = [await ctx.decode(ids) if body.echo else "" for ids, _ in jobs]   # may 429: before any work
         streams = await submit_all(ctx.engine, jobs, ctx.client_of(request, body), body.priority, rid,
-                                   ctx.adapter_of(body))
+                                   ctx.adapter_of(body), ctx.unsent_limit(body))
         meta = {"rid": rid, "created": int(time.time()), "model": ctx.adapter_of(body) or ctx.served_name,
                 "prompt_tokens": sum(len(p) for p in prompts)}
         prompt_ids = [ids for ids, _ in jobs]

@@ -10,6 +10,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 
 from shepherd.engine.engine import EngineDeadError, EngineOutput, QueueFull, RequestRejected, RequestStream
+from shepherd.engine.output import Backlog, logprob_entries
 from shepherd.server.common import APIError, error_body
 
 
@@ -19,14 +20,17 @@ def release(streams: list[RequestStream]) -> None:
 
 
 async def submit_all(engine, jobs: list, client: str, priority: int, prefix: str,
-                     adapter: Optional[str] = None) -> list[RequestStream]:
+                     adapter: Optional[str] = None, unsent_limit: Optional[int] = None) -> list[RequestStream]:
     """jobs: (prompt ids, SamplingParams) per choice, handed over in one go; all or nothing.
-    adapter: the LoRA adapter every choice runs with (None: the base model)."""
+    adapter: the LoRA adapter every choice runs with (None: the base model). unsent_limit: for a
+    streamed answer, the tokens and logprob entries its client may leave unread before its
+    requests are cut (output.Backlog, shared by its choices)."""
     streams: list[RequestStream] = []
+    backlog = Backlog(unsent_limit) if unsent_limit is not None else None
     try:
         for k, (ids, params) in enumerate(jobs):
             streams.append(engine.submit(ids, params, req_id=f"{prefix}-{k}", client=client, priority=priority,
-                                         adapter=adapter))
+                                         adapter=adapter, backlog=backlog))
         results = await asyncio.gather(*(s.wait_admitted() for s in streams), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -130,6 +134,7 @@ async def sse_events(streams: list[RequestStream], on_output, usage_chunk, prelu
             comp[i], cached[i] = out.completion_tokens, out.cached_tokens
             for c in on_output(i, out):
                 yield c
+            streams[i].sent(out)
         else:
             last = usage_chunk(sum(comp), max(cached))
             if last:
@@ -145,11 +150,6 @@ def too_many_logprobs(entries: int, cap: int, when: str) -> APIError:
                          f"(alternatives + 1); {entries:,} {when}), more than a non-streamed answer may hold "
                          "(--max-logprob-entries); stream it (stream: true) or lower n, max_tokens or the "
                          "number of logprobs", param="n", code="request_too_large")
-
-
-def logprob_entries(lps) -> int:
-    """Entries in a list of TokenLogprob (None for the prompt's first token): each one's own plus its alternatives."""
-    return sum(1 + len(lp.top) for lp in lps if lp is not None)
 
 
 async def collect(streams: list[RequestStream], max_entries: Optional[int] = None):

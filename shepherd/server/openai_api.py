@@ -106,6 +106,11 @@ class ApiContext:
                                     f"than the server ever admits ({name} {limit}); split it",
                                param="n", code="request_too_large")
 
+    def unsent_limit(self, body) -> Optional[int]:
+        """A streamed answer's bound on what its client leaves unread (None: not streamed; the
+        non-streamed answer is bounded whole, engine_io.collect)."""
+        return self.limits.max_logprob_entries if body.stream else None
+
     def check_held(self, body, entries: int) -> None:
         """A non-streamed answer is held whole until it is sent (a streamed one is not): one whose
         prompts' logprobs alone pass --max-logprob-entries is a 400 before any work; the output's

@@ -61,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--grammar-timeout", float, ServerConfig.grammar_timeout,
          "seconds a grammar may take to compile; longer gets 400"),
         ("--max-logprob-entries", int, ServerConfig.max_logprob_entries,
-         "a non-streamed answer that could carry more logprob entries (choices x tokens x (alternatives + 1)) "
-         "gets 400; streamed answers are not held"),
+         "what one answer may hold in the server, in logprob entries (choices x tokens x (alternatives + 1)): "
+         "a non-streamed answer past it gets 400; a streamed one is cut when its client leaves more unread"),
     ])
     g.add_argument("--max-grammar-memory", type=int, default=EngineConfig.max_grammar_memory >> 20, metavar="MIB",
                    help="MiB of compiled grammars the requests in flight may hold (distinct grammars counted once); "
