@@ -42,9 +42,9 @@ def validation_message(errors) -> tuple[str, Optional[str]]:
 
 
 # A list this long or longer is encoded a slice at a time. json.dumps is C code that holds the
-# GIL until it returns: one call on a whole answer with 20 logprobs a token (a 24 MB body took
-# 2.8 s on the event loop, jsonable_encoder included) froze every other request. A slice of 256
-# chat tokens with 20 alternatives each encodes in ~6 ms, so the event loop waits at most that.
+# GIL until it returns: one call on a whole answer with 20 logprobs a token froze every other
+# request (a 12 MB answer held /health for 1.5 s, jsonable_encoder included: docs/SERVING.md,
+# "Large answers"). A slice of 256 chat tokens with 20 alternatives encodes in ~6 ms.
 JSON_SLICE = 256
 _dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
 

@@ -76,8 +76,9 @@ class CompletionRoutes:
                   "choices": [functools.partial(choice, i) for i in range(len(streams))],
                   "usage": usage_dict(meta["prompt_tokens"], sum(f.completion_tokens for f in final),
                                       max(f.cached_tokens for f in final))}
-        return await ctx.answer(answer, sum(body.logprob_entries(len(p), f.completion_tokens)
-                                            for p, f in zip(prompt_ids, final)))
+        ids_out = sum(len(p) + len(t) for p, t in zip(prompt_ids, ids)) if body.return_token_ids else 0
+        return await ctx.answer(answer, ids_out + sum(body.logprob_entries(len(p), f.completion_tokens)
+                                                      for p, f in zip(prompt_ids, final)))
 
     def logprobs(self, body: CompletionRequest, prompt_ids: list[int], plp, lps, offset: int) -> Optional[dict]:
         """A choice's `logprobs` (or a chunk's): the completion's tokens from `offset` in the text;
