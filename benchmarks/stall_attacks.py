@@ -50,6 +50,7 @@ def _json(obj) -> bytes:
 
 
 PIPE_ATTACKS = ("schema", "fullbias")
+VALID_ATTACKS = ("answer", "long")       # valid requests whose size is the load: not in the table
 
 
 def attacks() -> dict:
@@ -390,10 +391,11 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--executor", default="torch", choices=["torch", "sim"])
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
-    ap.add_argument("--attacks", default=",".join(a for a in attacks() if a not in PIPE_ATTACKS + ("answer",)),
+    ap.add_argument("--attacks", default=",".join(a for a in attacks() if a not in PIPE_ATTACKS + VALID_ATTACKS),
                     help="comma list of: " + ",".join(attacks()) + " (default: the issue's table; "
-                    + ",".join(PIPE_ATTACKS) + " are accepted bodies that reach the engine core's pipe; answer "
-                    "is a valid request whose answer is large, best with --repeat 1)")
+                    + ",".join(PIPE_ATTACKS) + " are accepted bodies that reach the engine core's pipe; "
+                    + ",".join(VALID_ATTACKS) + " are valid requests, a large answer and a long prompt, best "
+                    "with --repeat 1)")
     ap.add_argument("--repeat", type=int, default=10, help="copies of each attack sent at once")
     ap.add_argument("--streams", type=int, default=0, help="more streams flowing beside the innocent one, "
                     "unmeasured (longer engine steps: what a send that waits for the core's next read costs)")
