@@ -385,11 +385,16 @@ def test_logprob_answers_are_bounded(tok):
         r = c.post("/v1/chat/completions", json={**chat, "max_tokens": 40, "stream": True})
         chunks = [e for e in sse_events(r.text) if e["choices"] and e["choices"][0]["logprobs"]]
         assert r.status_code == 200 and sum(len(e["choices"][0]["logprobs"]["content"]) for e in chunks) == 80
-        # echo: the prompt's logprobs alone are 40 x 3 entries, known before any work
+        # echo: the prompt's logprobs alone are 40 x 3 entries, known before any work: nothing admitted
+        def admitted_prompt_tokens() -> float:
+            m = re.search(r"^vllm:prompt_tokens_total\{[^}]*\} (\S+)$", c.get("/metrics").text, re.M)
+            return float(m.group(1))
+        before = admitted_prompt_tokens()
         r = c.post("/v1/completions", json={"prompt": list(range(1, 41)), "echo": True, "logprobs": 2,
                                             "max_tokens": 1})
         assert r.status_code == 400 and "prompts' logprobs alone" in r.json()["error"]["message"], r.text
         assert engine.stats().num_waiting == engine.stats().num_running == 0
+        assert admitted_prompt_tokens() == before
 
 
 def test_a_stream_nobody_reads_is_cut(tok):
