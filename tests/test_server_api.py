@@ -276,6 +276,42 @@ def test_vllm_extras_accepted(client, tok):
     assert b["usage"]["completion_tokens"] == 30 and b["choices"][0]["finish_reason"] == "length"
 
 
+def _null_fields(route: str, schema: dict) -> list[str]:
+    """The body fields of `route` that are optional with a default other than null."""
+    ref = schema["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    props = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
+    return [k for k, p in props.items() if p.get("default") is not None]
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 3}),
+])
+def test_null_means_the_default(client, route, body):
+    """OpenAI declares its optional fields "or null", and the official client sends `"n": null` for
+    n=None: every such field sent as null is served as its default, and the schema says null is
+    accepted (a schema-driven client sends what the schema allows)."""
+    schema = client.get("/openapi.json").json()
+    fields = _null_fields(route, schema)
+    assert ({"stream", "parallel_tool_calls"} if route == "/v1/responses"
+            else {"n", "stream", "presence_penalty"}) <= set(fields)
+    plain = client.post(route, json=body)
+    assert plain.status_code == 200, plain.text
+    for f in fields:
+        r = client.post(route, json={**body, f: None})
+        assert r.status_code == 200, (f, r.text)
+        key = "output" if route == "/v1/responses" else "choices"
+        assert len(r.json()[key]) == len(plain.json()[key]), f
+    ref = schema["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    props = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
+    assert all({"type": "null"} in props[f]["anyOf"] for f in fields)
+    # a required field stays required
+    required = "prompt" if route == "/v1/completions" else "messages" if "chat" in route else "input"
+    r = client.post(route, json={**body, required: None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == required
+
+
 def test_token_id_prompts_and_batch(client):
     b = client.post("/v1/completions", json={"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2, "n": 2}).json()
     assert [c["index"] for c in b["choices"]] == [0, 1, 2, 3]

@@ -17,13 +17,47 @@ MAX_LOGPROBS = 20
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+def _defaulted(cls) -> dict[str, Any]:
+    """Body key -> default, for the optional fields whose default is not None."""
+    out = {}
+    for name, f in cls.model_fields.items():
+        if not f.is_required() and f.default is not None:
+            out[f.alias or name] = f.default
+            out[name] = f.default
+    return out
+
+
+def _nullable_in_schema(schema: dict, cls) -> None:
+    props = schema.get("properties", {})
+    for key in _defaulted(cls):
+        p = props.get(key)
+        if p is not None and "anyOf" not in p:
+            props[key] = {"anyOf": [{k: v for k, v in p.items() if k not in ("title", "default")},
+                                    {"type": "null"}], **{k: p[k] for k in ("title", "default") if k in p}}
+
+
+class RequestModel(BaseModel):
+    """A request body's model. An optional field sent as null takes its default, as in OpenAI's
+    API, which declares them "or null": the official client sends `"n": null` for `n=None`, and
+    apps pass their own None through (400 on `presence_penalty: null` broke them). The OpenAPI
+    schema says so too, so that a schema-driven client or fuzzer sends what is served."""
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_nullable_in_schema)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            keys = _defaulted(cls)
+            data = {k: v for k, v in data.items() if v is not None or k not in keys}
+        return data
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
     name: str = "response"
     description: Optional[str] = None
@@ -31,8 +65,7 @@ class JsonSchemaFormat(BaseModel):
     strict: Optional[bool] = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
@@ -43,9 +76,8 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(RequestModel):
     """vLLM's structured_outputs: exactly one of json / regex / choice / grammar (or json_object)."""
-    model_config = ConfigDict(extra="ignore", strict=True)
     json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
@@ -53,7 +85,7 @@ class StructuredOutputs(BaseModel):
     json_object: Optional[bool] = None
 
 
-class _Sampling(BaseModel):
+class _Sampling(RequestModel):
     # strict: "n": "3" or "stream": "yes" is a 400, as in OpenAI's API (ints still pass as floats)
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
@@ -163,52 +195,44 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class FunctionCall(RequestModel):
     name: str
     arguments: str = "{}"
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ToolCall(RequestModel):
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class FunctionDef(RequestModel):
     name: str = Field(..., min_length=1, max_length=64)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class Tool(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
@@ -266,9 +290,8 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
-    model_config = ConfigDict(extra="ignore", strict=True)
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
@@ -283,8 +306,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class DetokenizeRequest(RequestModel):
     model: Optional[str] = None
     tokens: list[int] = Field(..., max_length=1 << 20)
 

@@ -29,17 +29,17 @@ from typing import Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from shepherd.server import tools
 from shepherd.server.common import APIError, AbortingStreamingResponse
 from shepherd.server.engine_io import collect, release, sse_events, until_disconnect
-from shepherd.server.protocol import ChatCompletionRequest
+from shepherd.server.protocol import ChatCompletionRequest, RequestModel
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
