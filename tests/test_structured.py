@@ -218,6 +218,24 @@ def test_the_compiled_grammars_a_compiler_holds_are_bounded_in_bytes(tok):
     assert compiler.compile(spec(5)) is compiler.compile(spec(5))
 
 
+def test_the_engines_reuse_cache_is_within_max_grammar_memory(tok):
+    """--max-grammar-memory bounds what requests hold; the engine's cache of compiled grammars for
+    reuse is kept within it too (it was CACHE_BYTES, 256 MB, whatever the flag said), so one client
+    cycling distinct specs leaves at most the flag's bytes cached beside what is held."""
+    def spec(i):
+        return ("json_schema", json.dumps({"type": "object", "properties": {
+            f"v{i}": {"enum": [f"value-{k}-of-the-list" for k in range(1000)] + [0]}}}))
+    one = GrammarCompiler(encoded_vocab(tok, tok.vocab_size), tok.eos_token_ids).compile(spec(0)).memory_size_bytes
+    bound = int(2.5 * one)
+    masks = GrammarMasks(tok, max_held_bytes=bound)
+    for i in range(6):
+        while not masks.prepare(spec(i)):       # compiled in the background thread, held by nobody
+            masks._pending[spec(i)].result()
+        assert masks.compiler.cache_bytes <= bound
+    assert masks.compiler.get(spec(5)) is not None and masks.compiler.get(spec(0)) is None
+    assert masks.held_bytes == 0
+
+
 def test_a_prepared_grammar_evicted_from_the_cache_is_never_compiled_in_a_step(tok):
     """prepare() compiles off the step; the request's first mask and its matcher's rebuild after
     a rollback come later, inside steps, after other grammars may have pushed its spec out of the

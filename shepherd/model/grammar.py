@@ -131,9 +131,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, vocab_size: Optional[int] = None) -> "GrammarCompiler":
+    def for_tokenizer(cls, tokenizer, vocab_size: Optional[int] = None,
+                      cache_bytes: int = CACHE_BYTES) -> "GrammarCompiler":
         size = int(vocab_size or tokenizer.vocab_size)
-        return cls(encoded_vocab(tokenizer, size), tokenizer.eos_token_ids)
+        return cls(encoded_vocab(tokenizer, size), tokenizer.eos_token_ids, cache_bytes=cache_bytes)
 
     def get(self, spec: tuple[str, str]):
         """The compiled grammar of `spec` if this compiler holds it, else None (never compiles)."""
@@ -369,7 +370,11 @@ class GrammarMasks:
     def _compiler_for(self, vocab_size: Optional[int]) -> GrammarCompiler:
         with self._build_lock:      # the first prepare builds it in the background thread
             if self.compiler is None:
-                self.compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size or vocab_size)
+                # the reuse cache is within the bound too: held grammars plus cached ones stay
+                # under twice --max-grammar-memory, whatever it is set to
+                cache = min(CACHE_BYTES, self.max_held_bytes) if self.max_held_bytes else CACHE_BYTES
+                self.compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size or vocab_size,
+                                                              cache_bytes=cache)
             return self.compiler
 
     def warm_up(self) -> Future:
