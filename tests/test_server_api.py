@@ -509,6 +509,17 @@ def test_answers_encode_as_starlette_does():
         assert json_bytes(obj) == JSONResponse(obj).body
     big = [{"t": i, "top": {str(j): -j / 3 for j in range(5)}} for i in range(2 * JSON_SLICE + 5)]
     assert json_bytes({"choices": [lambda: {"logprobs": big}]}) == JSONResponse({"choices": [{"logprobs": big}]}).body
+    many = [{"index": i, "logprobs": big[:3]} for i in range(JSON_SLICE + 3)]
+    lazy = [(lambda c=c: c) for c in many]     # an answer of 256 or more choices, each built in turn
+    assert json_bytes({"choices": lazy}) == JSONResponse({"choices": many}).body
+
+
+def test_an_answer_of_256_choices_is_served(client):
+    """prompts x n of 256 or more (here 2 x 128), not streamed: one choice each, in order (the
+    long-list slicing once met the choices' lazy builders, a 500 after all the work was done)."""
+    r = client.post("/v1/completions", json={"prompt": [[1, 2], [3]], "n": 128, "max_tokens": 1})
+    assert r.status_code == 200, r.text[:300]
+    assert [c["index"] for c in r.json()["choices"]] == list(range(256))
 
 
 # ---------------------------------------------------------------- disconnects

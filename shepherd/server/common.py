@@ -66,7 +66,8 @@ def json_pieces(obj, depth: int = 5) -> Iterator[str]:
             yield from json_pieces(v, depth - 1)
             sep = ","
         yield "}"
-    elif len(obj) >= JSON_SLICE:
+    elif len(obj) >= JSON_SLICE and not any(map(callable, obj)):
+        # (a long list of lazy choices, 256 or more prompts x n, goes one choice at a time below)
         for i in range(0, len(obj), JSON_SLICE):
             text = _dumps(obj[i:i + JSON_SLICE])
             yield ("[" if i == 0 else ",") + text[1:-1]
