@@ -128,6 +128,23 @@ def test_responses_structured_output_is_compiled_and_refusals_are_400(srv):
     assert r.status_code == 400 and "not supported" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("extra,param,needle", [
+    ({"text": {"format": "json"}}, "text", "text.format must be an object"),        # was a 500
+    ({"text": {"format": ["a"]}, "stream": True}, "text", "text.format must be an object"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools", "tools.0.name"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice", "'g', which is not in tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+])
+def test_responses_refusals_name_the_field(srv, extra, param, needle):
+    """Schema-valid bodies the Responses route cannot serve are 400s that say which field and
+    why (they were a 500, or 'cannot serve this input' with pydantic's link and param 'input')."""
+    r = httpx.post(srv.url + "/v1/responses", json={"input": "x", "max_output_tokens": 2, **extra})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and needle in err["message"], r.text
+    assert "pydantic" not in err["message"]
+
+
 def test_agents_sdk_runs_a_tool_round_trip(srv):
     """A third party: the OpenAI Agents SDK (its default is the Responses API) parses the call the
     scripted model makes and runs the tool with its arguments."""

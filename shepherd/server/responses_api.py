@@ -29,10 +29,10 @@ from typing import Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, ValidationError
 
 from shepherd.server import tools
-from shepherd.server.common import APIError, AbortingStreamingResponse
+from shepherd.server.common import APIError, AbortingStreamingResponse, validation_message
 from shepherd.server.engine_io import collect, release, sse_events, until_disconnect
 from shepherd.server.protocol import ChatCompletionRequest, RequestModel
 
@@ -129,6 +129,9 @@ def _tools(body: ResponsesRequest) -> dict:
 
 def _format(body: ResponsesRequest) -> dict:
     fmt = (body.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise _bad("text.format must be an object: {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}",
+                   "text")
     if not fmt or fmt.get("type") == "text":
         return {}
     if fmt.get("type") == "json_object":
@@ -151,8 +154,20 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
             **_tools(body), **_format(body)}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
-    except ValueError as e:
-        raise _bad(f"cannot serve this input: {str(e).splitlines()[-1].strip() if str(e) else e}", "input") from None
+    except ValidationError as e:
+        # named as the Responses body names it: tools[0].function.name is tools[0].name there
+        msg, param = validation_message(e.errors())
+        for chat_name, ours in _CHAT_NAMES.items():
+            msg = msg.replace(chat_name, ours)
+        if param is None:       # a check across fields (chat's _checks) names the one it is about first
+            param = next((f for f in ("tool_choice", "tools") if msg.startswith(f)), "input")
+        param = _CHAT_NAMES.get(param, param)
+        raise _bad(msg, param) from None
+
+
+# the chat request's field -> the Responses field it was made from (to_chat)
+_CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+               ".function.": "."}
 
 
 class ResponsesRoutes:
