@@ -450,6 +450,35 @@ def test_tool_output_parsers():
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
 
 
+def test_required_tool_calls_keep_their_parameters_refs(tok):
+    """A tool whose parameters use "$ref" to their own $defs (a recursive node, "#" itself) is
+    served with tool_choice required as it is with a named choice or as response_format: the
+    refs are moved with the parameters into the call list's schema (they were refused, 400
+    "Cannot find field $defs", since the parameters' root is nested there)."""
+    import xgrammar as xgr
+    node = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {
+        "anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["v", "next"]}
+    listy = {"type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#"}}},
+             "required": ["items"]}
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "walk", "parameters": {"$defs": {"node": node},
+                                                                              "$ref": "#/$defs/node"}}},
+            {"type": "function", "function": {"name": "tree", "parameters": listy}},
+            {"type": "function", "function": {"name": "plain", "parameters": {"type": "object"}}}]})
+    spec = tools.tool_grammar(body)
+    compiled = GrammarCompiler.for_tokenizer(tok).compile(spec)
+
+    def accepts(calls) -> bool:
+        m = xgr.GrammarMatcher(compiled)
+        return all(m.accept_token(t) for t in tok.encode(json.dumps(calls))) and m.is_terminated() is False \
+            and m.accept_token(tok.eos_token_ids[0])
+    assert accepts([{"name": "walk", "arguments": {"v": 1, "next": {"v": 2, "next": None}}}])
+    assert accepts([{"name": "tree", "arguments": {"items": [{"items": []}]}}])
+    assert not accepts([{"name": "walk", "arguments": {"v": 1, "next": {"v": "two", "next": None}}}])
+    jsonschema.validate([{"name": "walk", "arguments": {"v": 1, "next": None}}], json.loads(spec[1]))
+
+
 def test_tool_history_round_trips_into_the_prompt(tok):
     body = ChatCompletionRequest.model_validate({"messages": [
         {"role": "user", "content": "Weather in Paris?"},

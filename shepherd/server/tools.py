@@ -99,6 +99,23 @@ def _params(tool) -> dict:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
+def _has_local_ref(x) -> bool:
+    if isinstance(x, dict):
+        return any((k == "$ref" and isinstance(v, str) and v.startswith("#")) or _has_local_ref(v)
+                   for k, v in x.items())
+    return isinstance(x, list) and any(_has_local_ref(v) for v in x)
+
+
+def _relocate(x, base: str):
+    """A schema's local "$ref" pointers ("#", "#/...") made relative to `base` instead of its root."""
+    if isinstance(x, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _relocate(v, base)
+                for k, v in x.items()}
+    if isinstance(x, list):
+        return [_relocate(v, base) for v in x]
+    return x
+
+
 def tool_grammar(body) -> Optional[tuple[str, str]]:
     """The grammar spec that makes the output a valid call (required / named), else None."""
     mode = choice_mode(body)
@@ -107,11 +124,21 @@ def tool_grammar(body) -> Optional[tuple[str, str]]:
         tool = next(t for t in body.tools if t.function.name == name)
         return ("json_schema", json.dumps(_params(tool)))
     if mode == "required":
-        one = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                 "arguments": _params(t)},
-                "required": ["name", "arguments"]} for t in body.tools]
+        one, defs = [], {}
+        for i, t in enumerate(body.tools):
+            args = _params(t)
+            if _has_local_ref(args):
+                # the parameters' "#/..." pointers mean their own root, which is nested here: the
+                # schema moves to $defs/toolI and its pointers with it ("#/$defs/node" was refused)
+                defs[f"tool{i}"] = _relocate(args, f"#/$defs/tool{i}")
+                args = {"$ref": f"#/$defs/tool{i}"}
+            one.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                         "arguments": args},
+                        "required": ["name", "arguments"]})
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
                                   "items": one[0] if len(one) == 1 else {"anyOf": one}}
+        if defs:
+            schema["$defs"] = defs
         # one call per tool at most: small models otherwise repeat a call until max_tokens
         schema["maxItems"] = len(one) if body.parallel_tool_calls else 1
         return ("json_schema", json.dumps(schema))
