@@ -283,6 +283,18 @@ def _null_fields(route: str, schema: dict) -> list[str]:
     return [k for k, p in props.items() if p.get("default") is not None]
 
 
+def test_the_schema_states_the_stop_list_limit(client):
+    """/openapi.json says what is served: a schema-driven client that keeps to it is not refused
+    (stop had no maxItems, and 50 stop strings were a 400)."""
+    props = client.get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    limit = next(b["maxItems"] for b in props["stop"]["anyOf"] if b.get("type") == "array")
+    msgs = [{"role": "user", "content": "x"}]
+    assert client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2,
+                                                     "stop": [f"s{i}" for i in range(limit)]}).status_code == 200
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "stop": [f"s{i}" for i in range(limit + 1)]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == f"stop: at most {limit} stop sequences"
+
+
 @pytest.mark.parametrize("route,body", [
     ("/v1/completions", {"prompt": "x", "max_tokens": 3}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}),

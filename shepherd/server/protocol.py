@@ -9,11 +9,12 @@ length, model name) are done by the server, not here.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20
+MAX_STOP = 16
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
@@ -94,7 +95,7 @@ class _Sampling(RequestModel):
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0.0)       # None = 1.0
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)     # None = 1.0
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Optional[Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     seed: Optional[int] = None
@@ -121,11 +122,12 @@ class _Sampling(RequestModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop sequences")
+        # before the union's own check, whose message would name both of its branches
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
         return v
 
     def logprob_entries(self, prompt_tokens: int, out_tokens: int) -> int:
