@@ -9,6 +9,7 @@ length, model name) are done by the server, not here.
 """
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,6 +19,7 @@ MAX_STOP = 16
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
+@functools.cache
 def _defaulted(cls) -> dict[str, Any]:
     """Body key -> default, for the optional fields whose default is not None."""
     out = {}
