@@ -410,6 +410,37 @@ def test_unknown_route_has_error_body(client):
     assert r.status_code == 404 and "error" in r.json()
 
 
+def test_an_unexpected_error_is_a_500_and_the_connection_goes_on(scripted, monkeypatch):
+    """A bug in a handler is a 500 with an error body, and the client's connection stays usable:
+    Starlette raises the error again after the 500, and uvicorn then closed the connection, so the
+    next request a client sent on it (a pooled keep-alive one) failed with a reset."""
+    from shepherd.server import openai_api
+
+    def broken(*_a, **_k):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(openai_api.ApiContext, "client_of", staticmethod(broken))
+    host, port = scripted.url.split("//")[1].split(":")
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    post = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    get = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        f = s.makefile("rb")
+
+        def answer() -> tuple[int, bytes]:
+            status = int(f.readline().split()[1])
+            length = 0
+            while (line := f.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            return status, f.read(length)
+        s.sendall(post)
+        status, text = answer()
+        assert status == 500 and json.loads(text)["error"]["type"] == "server_error"
+        s.sendall(get)                         # the same connection
+        assert answer()[0] == 200
+
+
 def test_logprob_answers_are_bounded(tok):
     """A non-streamed answer is held whole until sent: past --max-logprob-entries it is a 400 whose
     requests are aborted (before any work when the prompts' logprobs alone pass it); a streamed

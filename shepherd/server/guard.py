@@ -26,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 from typing import Any, Optional
 
 import numpy as np      # at import, not on the first deep body: ~0.11 s under the event loop
 from fastapi import Request
 from fastapi.routing import APIRoute
+
+logger = logging.getLogger("shepherd.server")
 
 DEFAULT_MAX_JSON_DEPTH = 64
 DEFAULT_BODY_TIMEOUT = 30.0
@@ -55,7 +58,7 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 class Refusal(Exception):
     """An answer the door gives instead of the app: status, OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, code: str, type_: str = "invalid_request_error",
+    def __init__(self, status: int, message: str, code: Optional[str], type_: str = "invalid_request_error",
                  param: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.code, self.type, self.param = status, message, code, type_, param
@@ -239,7 +242,7 @@ class BodyGuard:
                 if refused is not None:
                     raise refused
             if scope.get("method") != "POST":
-                return await self.app(scope, receive, send)
+                return await self._run(scope, receive, send)
             body = await read_body(receive, scope, self.max_body_bytes, self.body_timeout, "--max-body-bytes")
             if body is None:
                 return
@@ -259,7 +262,27 @@ class BodyGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        await self._run(scope, replay, send)
+
+    async def _run(self, scope, receive, send):
+        """The app; an error it did not answer (a bug) is a 500 with an error body here. Starlette's
+        own handler for it re-raised after answering, and uvicorn then closed the connection: the
+        client's next request on it (a pooled keep-alive one) failed with a reset."""
+        started = False
+
+        async def tracked(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            logger.exception("unhandled error")
+            if started:
+                raise           # an answer cut part-way: only closing the connection tells the client
+            r = Refusal(500, f"internal error: {type(e).__name__}: {e}", None, "server_error")
+            await answer(send, 500, r.body())
 
 
 class _ParsedRequest(Request):

@@ -276,11 +276,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(exc.status_code, str(exc.detail), type_, code=exc.status_code,
                               headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_req, exc: Exception):
-        logger.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    # an unexpected error (a bug) is answered by BodyGuard._run, which keeps the connection
 
 
 async def _lora_call(op, param: str) -> None:
