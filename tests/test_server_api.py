@@ -283,6 +283,18 @@ def _null_fields(route: str, schema: dict) -> list[str]:
     return [k for k, p in props.items() if p.get("default") is not None]
 
 
+def test_whole_numbers_are_integers(client):
+    """JSON Schema, which /openapi.json is, and vLLM read 3.0 as the integer 3: a schema-driven
+    client sent such numbers for every integer field and got 400s (a fraction still is one)."""
+    b = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3.0, "n": 2.0, "priority": 0.0,
+                                             "min_tokens": 0.0, "logprobs": 1.0}).json()
+    assert len(b["choices"]) == 2 and b["usage"]["completion_tokens"] == 6, b
+    assert all(len(c["logprobs"]["top_logprobs"][0]) == 1 for c in b["choices"])
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                  "max_completion_tokens": 2.0, "top_k": 5.0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_the_schema_states_the_stop_list_limit(client):
     """/openapi.json says what is served: a schema-driven client that keeps to it is not refused
     (stop had no maxItems, and 50 stop strings were a 400)."""
@@ -345,7 +357,9 @@ BAD = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "x", "n": "3"}, "n"),                   # strict types, as OpenAI
-    ("/v1/completions", {"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": True}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_choice": []}, "guided_choice"),
     ("/v1/completions", {"prompt": "x", "echo": "true"}, "echo"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 5e-324}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(50000)}}, "logit_bias"),

@@ -30,6 +30,13 @@ def _defaulted(cls) -> dict[str, Any]:
     return out
 
 
+@functools.cache
+def _int_keys(cls) -> frozenset[str]:
+    """Body keys of the scalar integer fields (int, Optional[int])."""
+    return frozenset(k for name, f in cls.model_fields.items()
+                     if f.annotation is int or f.annotation == Optional[int] for k in (name, f.alias or name))
+
+
 def _nullable_in_schema(schema: dict, cls) -> None:
     props = schema.get("properties", {})
     for key in _defaulted(cls):
@@ -40,18 +47,25 @@ def _nullable_in_schema(schema: dict, cls) -> None:
 
 
 class RequestModel(BaseModel):
-    """A request body's model. An optional field sent as null takes its default, as in OpenAI's
-    API, which declares them "or null": the official client sends `"n": null` for `n=None`, and
-    apps pass their own None through (400 on `presence_penalty: null` broke them). The OpenAPI
-    schema says so too, so that a schema-driven client or fuzzer sends what is served."""
+    """A request body's model, strict ("n": "3" and "stream": "yes" are 400) but for two readings
+    of JSON that its schema and vLLM share. An optional field sent as null takes its default, as
+    in OpenAI's API, which declares them "or null": the official client sends `"n": null` for
+    n=None, and apps pass their own None through (400 on `presence_penalty: null` broke them); the
+    OpenAPI schema says so too. And a number with no fraction is an integer, as JSON Schema has
+    it: `"max_tokens": 2.0` is 2 (a schema-driven client sent such numbers, and 2.5 stays a 400)."""
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_nullable_in_schema)
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_default(cls, data):
-        if isinstance(data, dict) and any(v is None for v in data.values()):
+    def _json_readings(cls, data):
+        if not isinstance(data, dict):
+            return data
+        if any(v is None for v in data.values()):
             keys = _defaulted(cls)
             data = {k: v for k, v in data.items() if v is not None or k not in keys}
+        whole = [k for k in _int_keys(cls) if type(data.get(k)) is float and data[k].is_integer()]
+        if whole:
+            data = {**data, **{k: int(data[k]) for k in whole}}
         return data
 
 
@@ -83,7 +97,7 @@ class StructuredOutputs(RequestModel):
     """vLLM's structured_outputs: exactly one of json / regex / choice / grammar (or json_object)."""
     json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
     regex: Optional[str] = None
-    choice: Optional[list[str]] = None
+    choice: Optional[list[str]] = Field(None, min_length=1)
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
 
@@ -121,7 +135,7 @@ class _Sampling(RequestModel):
     structured_outputs: Optional[StructuredOutputs] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
+    guided_choice: Optional[list[str]] = Field(None, min_length=1)
     guided_grammar: Optional[str] = None
 
     @field_validator("stop", mode="before")
