@@ -51,6 +51,7 @@ def _json(obj) -> bytes:
 
 PIPE_ATTACKS = ("schema", "fullbias")
 VALID_ATTACKS = ("answer", "long")       # valid requests whose size is the load: not in the table
+COUNT_ATTACKS = ("msgs", "parts")        # bodies under the size cap whose item count is the load
 
 
 def attacks() -> dict:
@@ -80,6 +81,12 @@ def attacks() -> dict:
                               "properties": {"n": {"type": "integer"}}}}}})),
         "fullbias": ("`logit_bias` over all 49,152 tokens (the largest accepted)", "/v1/completions",
                      _json({"prompt": "hi", "max_tokens": 8, "logit_bias": {str(i): 0.5 for i in range(vocab)}})),
+        # under the body cap (1.3 MB for SmolLM2): what grows is the number of objects to validate and render
+        "msgs": ("chat of 43,000 empty messages (1.2 MB)", "/v1/chat/completions",
+                 _json({"messages": [{"role": "user", "content": ""}] * 43_000, "max_tokens": 1})),
+        "parts": ("chat message of 45,000 empty text parts (1.2 MB)", "/v1/chat/completions",
+                  _json({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 45_000}],
+                         "max_tokens": 1})),
         "detok": ("`/detokenize` of 1M tokens", "/detokenize",
                   _json({"tokens": [i % vocab for i in range(1_000_000)]})),
         "tok": ("`/tokenize` of 1M characters", "/tokenize", _json({"prompt": "abc def " * 125_000})),
@@ -391,11 +398,13 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--executor", default="torch", choices=["torch", "sim"])
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
-    ap.add_argument("--attacks", default=",".join(a for a in attacks() if a not in PIPE_ATTACKS + VALID_ATTACKS),
+    ap.add_argument("--attacks", default=",".join(a for a in attacks() if a not in PIPE_ATTACKS + VALID_ATTACKS
+                                                  + COUNT_ATTACKS),
                     help="comma list of: " + ",".join(attacks()) + " (default: the issue's table; "
                     + ",".join(PIPE_ATTACKS) + " are accepted bodies that reach the engine core's pipe; "
                     + ",".join(VALID_ATTACKS) + " are valid requests, a large answer and a long prompt, best "
-                    "with --repeat 1)")
+                    "with --repeat 1; " + ",".join(COUNT_ATTACKS) + " are bodies under the size cap made of "
+                    "many small objects)")
     ap.add_argument("--repeat", type=int, default=10, help="copies of each attack sent at once")
     ap.add_argument("--streams", type=int, default=0, help="more streams flowing beside the innocent one, "
                     "unmeasured (longer engine steps: what a send that waits for the core's next read costs)")
