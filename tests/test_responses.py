@@ -145,6 +145,23 @@ def test_responses_refusals_name_the_field(srv, extra, param, needle):
     assert "pydantic" not in err["message"]
 
 
+def test_many_input_items_are_converted_in_the_work_thread(srv, monkeypatch):
+    """The input items become chat messages and a validated chat request, work that grows with
+    their count: with many items it runs in the work thread (as the chat route's template), not
+    on the event loop; the answer is the same either way."""
+    import threading
+
+    from shepherd.server import responses_api
+    where, real = [], responses_api.to_chat
+    monkeypatch.setattr(responses_api, "to_chat", lambda body: where.append(threading.current_thread().name)
+                        or real(body))
+    items = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+    for n in (1, 160):          # 320 items: past the work pool's inline cost, within the 2,048 context
+        r = httpx.post(srv.url + "/v1/responses", json={"input": items * n, "max_output_tokens": 2})
+        assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text[:300]
+    assert not where[0].startswith("shepherd-work") and where[1].startswith("shepherd-work"), where
+
+
 def test_agents_sdk_runs_a_tool_round_trip(srv):
     """A third party: the OpenAI Agents SDK (its default is the Responses API) parses the call the
     scripted model makes and runs the tool with its arguments."""

@@ -53,10 +53,9 @@ from shepherd.server.protocol import (ChatCompletionRequest, CompletionRequest, 
 from shepherd.server.responses_api import ResponsesRequest, ResponsesRoutes
 from shepherd.server.structured import SpecError, requested_spec
 from shepherd.server.tokenize_api import add_tokenize_routes
-from shepherd.server.workpool import INLINE_COST, WorkPool
+from shepherd.server.workpool import INLINE_COST, MESSAGE_COST, WorkPool
 
 logger = logging.getLogger("shepherd.server")
-MESSAGE_COST = 64       # a chat message's share of the template's work, in characters
 
 SAMPLING_EPS = 1e-5
 

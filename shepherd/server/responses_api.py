@@ -35,6 +35,7 @@ from shepherd.server import tools
 from shepherd.server.common import APIError, AbortingStreamingResponse, validation_message
 from shepherd.server.engine_io import collect, release, sse_events, until_disconnect
 from shepherd.server.protocol import ChatCompletionRequest, RequestModel
+from shepherd.server.workpool import MESSAGE_COST
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -177,7 +178,10 @@ class ResponsesRoutes:
         self.ctx, self.chat = ctx, chat
 
     async def handle(self, request: Request, body: ResponsesRequest):
-        chat = to_chat(body)
+        # the input items become chat messages, then a validated chat request: work that grows with
+        # their count, done in the work thread once there are many (as the chat route's template)
+        items = 1 if isinstance(body.input, str) else len(body.input)
+        chat = await self.ctx.work.run(to_chat, body, cost=MESSAGE_COST * items)
         rid = f"resp_{uuid.uuid4().hex}"
         streams, meta = await self.chat.submit(request, chat, rid)
         shell = Shell(self.ctx, body, chat, rid, meta)

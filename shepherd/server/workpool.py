@@ -27,6 +27,7 @@ from shepherd.model.grammar import lower_thread_priority
 from shepherd.server.common import APIError
 
 INLINE_COST = 20_000        # characters or tokens: below this a job runs inline
+MESSAGE_COST = 64           # a chat message's (or Responses input item's) share of the work, in characters
 
 
 class WorkPool:
