@@ -236,6 +236,28 @@ def test_the_engines_reuse_cache_is_within_max_grammar_memory(tok):
     assert masks.held_bytes == 0
 
 
+def test_requests_of_a_held_spec_share_it_when_the_cache_has_let_it_go(tok):
+    """Under a bound that small the reuse cache keeps one grammar; a second request of a spec that
+    a running request holds still shares that grammar (it was compiled again, counted twice and
+    refused with 429), while another spec is refused."""
+    masks = GrammarMasks(tok, max_held_bytes=1)
+
+    def ready(spec, rid):
+        while not masks.prepare(spec, rid):
+            masks._pending[spec].result()
+    held, other = ("regex", "[a-z]+"), ("regex", "[0-9]+")
+    ready(held, "a")
+    size = masks.held_bytes
+    with pytest.raises(ExecutorFull):
+        ready(other, "b")                           # compiled, refused; the cache now keeps it alone
+    assert masks.compiler.get(held) is None
+    ready(held, "c")
+    assert masks.held_bytes == size and masks._held["c"] is masks._held["a"]
+    masks.forget("a"), masks.forget("c")
+    assert masks.held_bytes == 0
+    ready(other, "d")
+
+
 def test_a_prepared_grammar_evicted_from_the_cache_is_never_compiled_in_a_step(tok):
     """prepare() compiles off the step; the request's first mask and its matcher's rebuild after
     a rollback come later, inside steps, after other grammars may have pushed its spec out of the

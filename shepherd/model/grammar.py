@@ -360,7 +360,10 @@ class GrammarMasks:
         # held ~40 MB each (a 113 KB guided_choice of 4,000 random strings) for as long as their
         # requests lived, up to --max-concurrency of them.
         self.max_held_bytes = int(max_held_bytes)
-        self._holders: dict[int, list] = {}    # id(compiled) -> [requests holding it, its bytes]
+        self._holders: dict[int, list] = {}    # id(compiled) -> [requests holding it, its bytes, its spec]
+        # spec -> its compiled grammar while requests hold it: a request of the same spec shares that
+        # one, even when the compiler's cache (small under a small bound) no longer has it
+        self._by_spec: dict[tuple[str, str], Any] = {}
         self.failed: dict[str, str] = {}   # req_id -> error, taken by the executor after sampling
         self._pool: Optional[ThreadPoolExecutor] = None          # compiles, at a lower priority
         self._fill_pool: Optional[ThreadPoolExecutor] = None     # masks beside the forward (fill_async)
@@ -396,7 +399,9 @@ class GrammarMasks:
         max_held_bytes."""
         fut = self._pending.get(spec)
         if fut is None:
-            compiled = self.compiler.get(spec) if self.compiler is not None else None
+            compiled = self._by_spec.get(spec)
+            if compiled is None and self.compiler is not None:
+                compiled = self.compiler.get(spec)
             if compiled is None:
                 self._pending[spec] = fut = self._compile_pool().submit(
                     lambda: self._compiler_for(None).compile(spec))
@@ -406,15 +411,15 @@ class GrammarMasks:
             self._pending.pop(spec, None)
             compiled = fut.result()     # GrammarError (or a bug) surfaces here, to the request that asked
         if req_id is not None and req_id not in self._held:
-            self._hold(req_id, compiled, bounded=True)
+            self._hold(req_id, spec, compiled, bounded=True)
         return True
 
     @property
     def held_bytes(self) -> int:
         """Bytes of the grammars held for requests, each distinct grammar once."""
-        return sum(size for _, size in self._holders.values())
+        return sum(size for _, size, _ in self._holders.values())
 
-    def _hold(self, req_id: str, compiled: Any, bounded: bool) -> None:
+    def _hold(self, req_id: str, spec: tuple[str, str], compiled: Any, bounded: bool) -> None:
         h = self._holders.get(id(compiled))
         if h is None:
             size, held = compiled.memory_size_bytes, self.held_bytes
@@ -423,7 +428,8 @@ class GrammarMasks:
                 raise ExecutorFull(f"compiled grammars held by requests in flight are at the server's bound "
                                    f"({held / 2**20:.0f} MiB held, this one {size / 2**20:.1f} MiB; "
                                    f"--max-grammar-memory {self.max_held_bytes / 2**20:.0f} MiB)")
-            h = self._holders[id(compiled)] = [0, size]
+            h = self._holders[id(compiled)] = [0, size, spec]
+            self._by_spec.setdefault(spec, compiled)
         h[0] += 1
         self._held[req_id] = compiled
 
@@ -436,6 +442,8 @@ class GrammarMasks:
             h[0] -= 1
             if h[0] == 0:
                 del self._holders[id(compiled)]
+                if self._by_spec.get(h[2]) is compiled:
+                    del self._by_spec[h[2]]
 
     def _sync(self, req) -> Any:
         """The request's matcher, advanced over the output tokens it has not seen."""
@@ -445,7 +453,7 @@ class GrammarMasks:
             g = self._held.get(rid)
             if g is None:       # not prepared (a caller without the core's parking): compiled here
                 g = self.compiler.compile(req.params.grammar)
-                self._hold(rid, g, bounded=False)
+                self._hold(rid, req.params.grammar, g, bounded=False)
             m = self.compiler.xgr.GrammarMatcher(g)
             self._matchers[rid], self._fed[rid] = m, 0
         for tid in out[self._fed[rid]:]:
