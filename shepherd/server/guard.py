@@ -54,8 +54,7 @@ BODY_CAP_HEADER = "x-shepherd-max-body-bytes"
 # a lone surrogate can only enter as a \uD800-\uDFFF escape or as the raw (invalid) UTF-8 bytes
 # of one, which json.loads accepts from bytes; without either the walk is skipped
 _SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_NOT_SKELETON = bytes(b for b in range(256) if b not in b'"[]{}')     # all but quotes and brackets
 
 
 class Refusal(Exception):
@@ -151,13 +150,20 @@ def front_cap(own: int, own_flag: str, replica_caps: list) -> tuple[int, str]:
 
 
 def json_depth(body: bytes) -> int:
-    """Deepest nesting of brackets outside strings (0 for a scalar)."""
-    skeleton = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
-    if skeleton.count(b"[") + skeleton.count(b"{") <= 1:
-        return min(1, len(skeleton))
-    arr = np.frombuffer(skeleton, dtype=np.uint8)
-    step = np.where((arr == ord("[")) | (arr == ord("{")), 1, np.where((arr == ord("]")) | (arr == ord("}")), -1, 0))
-    return int(np.cumsum(step, dtype=np.int64).max())
+    """Deepest nesting of brackets outside strings (0 for a scalar). A regex that cut the strings
+    out took ~22 ms on the event loop for a 1.2 MB body of 43,000 small objects (every string a
+    match); this takes a few. Escapes go first, left to right as JSON reads them (an escaped
+    backslash, then an escaped quote), so every quote left is a string's edge; the bytes are then
+    cut to quotes and brackets (C calls), and a bracket counts when an even number of edges come
+    before it (whole-array steps)."""
+    if b"\\" in body:
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    a = np.frombuffer(body.translate(None, _NOT_SKELETON), dtype=np.uint8)
+    if not len(a):
+        return 0
+    step = ((a == 91) | (a == 123)).astype(np.int32) - ((a == 93) | (a == 125))
+    step[(np.cumsum(a == 34, dtype=np.int32) & 1).astype(bool)] = 0
+    return max(0, int(np.cumsum(step).max()))
 
 
 def surrogate_at(obj: Any) -> Optional[str]:
@@ -191,7 +197,8 @@ def parse_body(body: bytes, max_depth: int) -> Any:
         raise Refusal(400, f"the JSON body is nested deeper than {max_depth} levels", "invalid_body") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise Refusal(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
-    if _SURROGATE_BYTES.search(body):
+    # (memchr pre-checks: the regex alone scanned a 1.2 MB body in ~10 ms)
+    if (b"\\u" in body or b"\xed" in body) and _SURROGATE_BYTES.search(body):
         where = surrogate_at(obj)
         if where is not None:
             raise Refusal(400, f"{where} contains a lone UTF-16 surrogate, which is not valid Unicode text",
