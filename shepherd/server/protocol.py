@@ -58,12 +58,14 @@ class RequestModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _json_readings(cls, data):
-        if not isinstance(data, dict):
+        # runs for every object of a body (a chat's every message): kept to lookups where the
+        # model has nothing to read so (a 43,000-message chat spent a third of its validation here)
+        nulls, ints = _defaulted(cls), _int_keys(cls)
+        if not (nulls or ints) or not isinstance(data, dict):
             return data
-        if any(v is None for v in data.values()):
-            keys = _defaulted(cls)
-            data = {k: v for k, v in data.items() if v is not None or k not in keys}
-        whole = [k for k in _int_keys(cls) if type(data.get(k)) is float and data[k].is_integer()]
+        if nulls and None in data.values():
+            data = {k: v for k, v in data.items() if v is not None or k not in nulls}
+        whole = [k for k in ints if type(data.get(k)) is float and data[k].is_integer()]
         if whole:
             data = {**data, **{k: int(data[k]) for k in whole}}
         return data
