@@ -22,6 +22,7 @@ cost per step of this against the alternatives.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import pickle
@@ -132,6 +133,11 @@ def core_main(conn, cfg, log_level: str = "info", cpus: Optional[list[int]] = No
     gov = governor(cfg, threads)
     if gov is not None and mid_step_rule():
         served.core.executor.watch_layers(gov.between_layers)
+    # The startup heap (model, tokenizer, scheduler: ~177,000 objects) is never garbage, yet each
+    # collection of the oldest generation walked it, ~96 ms with every step waiting. Frozen, the
+    # collector walks only what serving allocates (vLLM's engine core and SGLang do the same).
+    gc.collect()
+    gc.freeze()
     if not _serve(served, conn, log, gov):
         sys.exit(1)
 
