@@ -313,7 +313,8 @@ class JsonRoute(APIRoute):
     which it takes as it is. Validation holds the GIL for as long as it runs, and it grows with
     the body's items: a 1.4 MB chat of 44,000 empty messages took 110-220 ms, every other stream
     and /health waiting, on the event loop; in the thread the models' Python validators let the
-    loop in between (its longest pause 27-35 ms, in process; docs/SERVING.md)."""
+    loop in between (its longest pause 27-35 ms; in process, with another job on the machine;
+    served: docs/SERVING.md, "Bodies of many small objects")."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
@@ -334,6 +335,6 @@ async def _validate(request: Request, model: type, parsed: dict):
     try:
         if pool is None:
             return model.model_validate(parsed)
-        return await pool.run(model.model_validate, parsed, cost=len(parsed) + LARGE_BODY)
+        return await pool.run(model.model_validate, parsed, cost=LARGE_BODY)    # past the inline cost
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
