@@ -592,6 +592,36 @@ def test_gateway_on_a_taken_port_exits_2_with_one_line(capsys):
     assert f"shepherd gateway: cannot listen on 127.0.0.1 port {port}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cmd", ["gateway", "epp"])
+@pytest.mark.parametrize("flags,msg", [
+    # the socket layer took 70000 as 4464 and -1 as 65535 (exit 0, the wrong port)
+    (["--port", "70000"], "--port must be in 0..65535, got 70000"),
+    (["--port", "-1"], "--port must be in 0..65535, got -1"),
+    # 0 turned the health checks off without a word
+    (["--health-interval", "0"], "--health-interval must be > 0 seconds"),
+    (["--health-interval", "nan"], "--health-interval must be > 0 seconds"),
+])
+def test_gateway_and_epp_refuse_out_of_range_flags(capsys, cmd, flags, msg):
+    from shepherd.cli import main
+    where = ["--backend", "127.0.0.1:9"] if cmd == "gateway" else ["--endpoint", "127.0.0.1:9"]
+    assert main([cmd, *where, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shepherd {cmd}: {msg}") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--backend", "http://127.0.0.1:99999"], "backend URL 'http://127.0.0.1:99999': Port out of range"),
+    (["--backend", "http://:80"], "has no host"),
+    (["--backend", "x:1", "--read-timeout", "0"], "--read-timeout must be > 0 seconds"),
+    (["--backend", "x:1", "--metrics-interval", "-1"], "--metrics-interval must be >= 0 seconds"),
+])
+def test_gateway_refuses_a_bad_backend_url_or_timeout(capsys, flags, msg):
+    from shepherd.cli import main
+    assert main(["gateway", *flags]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and len(err.strip().splitlines()) == 1
+
+
 def test_backend_restart_stale_keepalive_connections_are_replaced(cluster_factory):
     c = cluster_factory(n=1, health=HealthConfig(health_interval=30, metrics_interval=0))
     for _ in range(3):

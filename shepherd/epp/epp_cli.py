@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_picker(args: argparse.Namespace):
     """(EndpointPicker, httpx client) from parsed arguments; ValueError on a bad configuration."""
+    from shepherd.gateway.gateway_cli import check_intervals
+    from shepherd.server.serve_cli import check_port
+    check_port(args.port)
+    check_intervals(args, positive=("health_interval",), non_negative=("metrics_interval",))
     import httpx
 
     from shepherd.epp.picker import EndpointPicker

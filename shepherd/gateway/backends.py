@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -118,6 +119,13 @@ def normalize_url(url: str) -> str:
         url = "http://" + url
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"backend URL must be http(s): {url!r}")
+    try:        # a port past 65535 would fail only at the first request, as a replica "down"
+        parts = urllib.parse.urlsplit(url)
+        parts.port
+    except ValueError as e:
+        raise ValueError(f"backend URL {url!r}: {e}") from None
+    if not parts.hostname:
+        raise ValueError(f"backend URL {url!r} has no host")
     url = url.rstrip("/")
     if url.endswith("/v1"):
         url = url[:-3]

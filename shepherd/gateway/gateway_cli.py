@@ -19,7 +19,7 @@ import sys
 from typing import Optional
 
 from shepherd.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
-from shepherd.server.serve_cli import add_door_flags, add_flags, check_listen
+from shepherd.server.serve_cli import add_door_flags, add_flags, check_listen, check_port
 
 EXIT_CONFIG = 2
 
@@ -75,17 +75,30 @@ def policy_from_args(args: argparse.Namespace):
     return make_policy(args.policy, **knobs)
 
 
+def check_intervals(args, positive=(), non_negative=()) -> None:
+    """Seconds flags: 0 would time out every request or turn the health checks off without a word
+    (only --metrics-interval documents 0 as off); a NaN compares false to everything."""
+    for name in positive + non_negative:
+        v = getattr(args, name)
+        if not (v > 0 or (name in non_negative and v == 0)):
+            raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if name in non_negative else '> 0'} "
+                             f"seconds, got {v}")
+
+
 def build_gateway(args: argparse.Namespace):
     """(Gateway, policy name) from parsed arguments; ValueError on a bad configuration."""
     from shepherd.gateway.app import Gateway, GatewayConfig
     from shepherd.gateway.backends import BackendPool, HealthConfig
     from shepherd.gateway.kv_routing import KVRouting
+    check_port(args.port)
     policy = policy_from_args(args)
     for name in ("retries", "fail_threshold", "success_threshold"):
         if getattr(args, name) < (0 if name == "retries" else 1):
             raise ValueError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
     if args.max_body_bytes < 1024 or args.body_timeout <= 0 or args.stall_timeout <= 0:
         raise ValueError("--max-body-bytes must be >= 1024, --body-timeout and --stall-timeout > 0")
+    check_intervals(args, positive=("connect_timeout", "read_timeout", "health_interval"),
+                    non_negative=("retry_backoff", "metrics_interval"))
     health = HealthConfig(fail_threshold=args.fail_threshold, success_threshold=args.success_threshold,
                           health_interval=args.health_interval, metrics_interval=args.metrics_interval,
                           stall_timeout=args.stall_timeout)

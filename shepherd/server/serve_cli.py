@@ -248,8 +248,7 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
     if eng.log_every_steps < 1:
         raise ConfigError(f"--log-every-steps must be >= 1, got {eng.log_every_steps}")
     parse_cpu_list(args.cpu_bind)
-    if not (0 <= args.port <= 65535):
-        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    check_port(args.port)
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         raise ConfigError(f"model path {args.model!r} does not exist (expected a .gguf file or a Hugging Face "
                           "folder)")
@@ -277,6 +276,12 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
                        max_grammar_bytes=args.max_grammar_bytes, grammar_timeout=args.grammar_timeout,
                        max_logprob_entries=args.max_logprob_entries, warm_grammar_worker=True)
     return eng, srv
+
+
+def check_port(port: int, flag: str = "--port") -> None:
+    """The range a TCP port has: the socket layer takes 70000 as 70000 - 65536 and -1 as 65535."""
+    if not (0 <= port <= 65535):
+        raise ConfigError(f"{flag} must be in 0..65535, got {port}")
 
 
 def check_listen(host: str, port: int) -> None:
