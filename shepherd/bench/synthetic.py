@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from shepherd.bench.records import TraceRequest
-from shepherd.bench.trace_formats import format_error, iter_file
+from shepherd.bench.trace_formats import MAX_TRACE_TOKENS, format_error, iter_file
 
 
 @dataclass
@@ -36,20 +36,22 @@ class LengthDist:
         kind, *args = self.spec.split(":")
         try:
             if kind == "fixed":
-                n = int(args[0])
+                n = _length(int(args[0]))
                 return lambda: n
             if kind == "uniform":
-                a, b = int(args[0]), int(args[1])
+                a, b = _length(int(args[0])), _length(int(args[1]))
+                if a > b:       # randint's own message: "empty range for randrange()"
+                    raise ValueError
                 return lambda: rng.randint(a, b)
             if kind == "normal":
-                mu, sd = float(args[0]), float(args[1])
+                mu, sd = _length(float(args[0])), float(args[1])
                 return lambda: max(1, int(round(rng.gauss(mu, sd))))
             if kind == "lognormal":
-                mean, sigma = float(args[0]), float(args[1])
+                mean, sigma = _length(float(args[0])), float(args[1])
                 mu = math.log(mean) - sigma * sigma / 2
                 return lambda: max(1, int(round(rng.lognormvariate(mu, sigma))))
             if kind == "zipf":
-                a, mx = float(args[0]), int(args[1])
+                a, mx = float(args[0]), _length(int(args[1]))
                 w = [1.0 / (k ** a) for k in range(1, mx + 1)]
                 cum = np.cumsum(w) / sum(w)
                 return lambda: int(np.searchsorted(cum, rng.random())) + 1
@@ -58,8 +60,16 @@ class LengthDist:
                 return lambda: rng.choice(vals)
         except (IndexError, ValueError):
             pass
-        raise ValueError(f"bad length distribution {self.spec!r} (fixed:N, uniform:A:B, normal:M:S, "
-                         f"lognormal:MEAN:SIGMA, zipf:A:MAX, trace:FILE)")
+        raise ValueError(f"bad length distribution {self.spec!r} (fixed:N, uniform:A:B with A <= B, normal:M:S, "
+                         f"lognormal:MEAN:SIGMA, zipf:A:MAX, trace:FILE; lengths 1..{MAX_TRACE_TOKENS:,})")
+
+
+def _length(n):
+    """A length parameter in 1..MAX_TRACE_TOKENS (a 1e12-token prompt ran the machine out of memory);
+    NaN fails the comparison too."""
+    if not 1 <= n <= MAX_TRACE_TOKENS:
+        raise ValueError
+    return n
 
 
 @dataclass
@@ -93,6 +103,8 @@ def _interarrival(rng: random.Random, c: ClientSpec, rate: float) -> float:
     if c.arrival == "poisson":
         return rng.expovariate(rate)
     if c.arrival == "gamma":
+        if not c.cv > 0:    # shape 1/cv^2: ZeroDivisionError
+            raise ValueError(f"client {c.name}: burstiness (gamma CV) must be > 0, got {c.cv}")
         shape = 1.0 / (c.cv * c.cv)
         return rng.gammavariate(shape, 1.0 / (rate * shape))
     if c.arrival == "constant":
@@ -205,9 +217,13 @@ def read_synthetic_spec(path) -> SyntheticSpec:
     """A JSON file: {"seed": 0, "num_requests": N | "duration": S, "clients": [{ClientSpec fields}]}."""
     path = Path(path)
     try:
-        d = json.loads(path.read_text())
+        d = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise format_error(path, e.lineno, f"not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise format_error(path, 1, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(d, dict):     # a JSON array: d.get raised AttributeError
+        raise format_error(path, 1, f"a synthetic spec is a JSON object, got {type(d).__name__}")
     try:
         clients = [ClientSpec(**c) for c in d.get("clients", [{}])]
         return SyntheticSpec(clients=clients, num_requests=d.get("num_requests"), duration=d.get("duration"),

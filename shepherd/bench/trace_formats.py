@@ -76,7 +76,12 @@ def format_error(path, lineno: int, msg: str) -> TraceFormatError:
     return TraceFormatError(f"{path}:{lineno}: {msg}")
 
 
-def _int_field(path, lineno, name, value, minimum=0) -> int:
+# The most tokens one prompt or output may have: 10x the longest context of any model served
+# today (~1M). A 1e12-token row allocated its prompt (numpy ArrayMemoryError) or hung bench.
+MAX_TRACE_TOKENS = 10_000_000
+
+
+def _int_field(path, lineno, name, value, minimum=0, maximum=MAX_TRACE_TOKENS) -> int:
     try:
         f = float(value)
         if not math.isfinite(f) or f != int(f):
@@ -86,6 +91,8 @@ def _int_field(path, lineno, name, value, minimum=0) -> int:
         raise format_error(path, lineno, f"{name} must be an integer, got {value!r}") from None
     if v < minimum:
         raise format_error(path, lineno, f"{name} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise format_error(path, lineno, f"{name} must be <= {maximum:,} tokens, got {v:,}")
     return v
 
 
@@ -181,7 +188,10 @@ def _parse_azure_ts(path, lineno, s: str) -> float:
             offset = (int(oh) * 3600 + int(om) * 60) * (1 if clock[-6] == "+" else -1)
             clock = clock[:-6]
         hh, mm, ss = clock.split(":")
-        return day + int(hh) * 3600 + int(mm) * 60 + float(ss) - offset
+        h, m, sec = int(hh), int(mm), float(ss)
+        if not (0 <= h <= 23 and 0 <= m <= 59 and 0 <= sec < 60):    # 25:99:99 ran on as the next day
+            raise ValueError
+        return day + h * 3600 + m * 60 + sec - offset
     except (ValueError, AttributeError):
         raise format_error(path, lineno, f"TIMESTAMP not 'YYYY-MM-DD HH:MM:SS[.frac][+HH:MM]': {s!r}") from None
 
@@ -253,7 +263,7 @@ def _ragpulse_lengths(path) -> Optional[dict[int, int]]:
             ids = [v for k, v in d.items() if k.endswith("_id")]
             if len(ids) != 1 or "token_length" not in d:
                 raise format_error(f, lineno, "expected one '<part>_id' and 'token_length'")
-            lengths[_int_field(f, lineno, "id", ids[0])] = _int_field(f, lineno, "token_length", d["token_length"])
+            lengths[_int_field(f, lineno, "id", ids[0], maximum=None)] = _int_field(f, lineno, "token_length", d["token_length"])
     return lengths
 
 
