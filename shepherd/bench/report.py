@@ -51,6 +51,37 @@ EXTRA_KEYS = ("goodput_req_s", "slo_attainment", "slo_ttft", "slo_tpot", "failur
 
 
 
+def out_folder(path) -> Path:
+    """--out as a folder that can be written, made now: an existing file or /proc/x raised
+    FileExistsError / FileNotFoundError at the end, after bench had sent every request.
+    ValueError naming the flag otherwise."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".shepherd-write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        why = "is a file, not a folder" if out.is_file() else f"cannot be written ({e.strerror or e})"
+        raise ValueError(f"--out {path}: {why}") from None
+    return out
+
+
+def check_ranges(args, rows) -> None:
+    """rows: (attribute, lowest, highest, strict): a flag whose value is not None must lie in the
+    range (above `lowest` when strict, else from it). NaN fails every comparison, so it is refused too."""
+    for name, lo, hi, strict in rows:
+        v = getattr(args, name, None)
+        if v is None:
+            continue
+        ok = (v > lo if strict else v >= lo) and v <= hi
+        if not ok:
+            where = f"> {lo:g}" if strict else f">= {lo:g}"
+            if hi != math.inf:
+                where += f" and <= {hi:g}"
+            raise ValueError(f"--{name.replace('_', '-')} must be {where}, got {v}")
+
+
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> Optional[float]:
     a = np.asarray(values, dtype=np.float64)
     if a.size == 0:

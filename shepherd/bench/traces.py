@@ -25,14 +25,17 @@ unique to the request (seeded by `index`). Ids avoid the lowest 256 ids
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gzip
+from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 
 from shepherd.bench.records import TraceRequest
 from shepherd.bench.synthetic import iter_synthetic, read_synthetic_spec
-from shepherd.bench.trace_formats import FORMATS, detect_format, iter_file
+from shepherd.bench.trace_formats import FORMATS, TraceFormatError, detect_format, iter_file
 
 RESERVED_IDS = 256
 
@@ -84,14 +87,19 @@ def iter_trace(path, fmt: Optional[str] = None, *, limit: Optional[int] = None, 
                rate: Optional[float] = None, seed: int = 0, repeat: int = 1) -> Iterator[TraceRequest]:
     """The trace, lazily. `repeat` > 1 replays it that many times back to back
     (copy k arrives k x (span + mean gap) later; indices stay unique)."""
-    fmt = fmt or detect_format(path)
+    _check_file(path)
+    with _read_errors(path):
+        fmt = fmt or detect_format(path)
     if time_scale <= 0:
         raise ValueError("time_scale must be > 0")
     if rate is not None and rate <= 0:
         raise ValueError("rate must be > 0")
     if repeat < 1:
         raise ValueError("repeat must be >= 1")
-    n, span = _count_span(path, fmt, limit, seed) if (rate is not None or repeat > 1) else (0, 0.0)
+    if limit is not None and limit < 0:       # islice's own words: "Stop argument for islice() must be None or..."
+        raise ValueError(f"--limit must be >= 0, got {limit}")
+    with _read_errors(path):
+        n, span = _count_span(path, fmt, limit, seed) if (rate is not None or repeat > 1) else (0, 0.0)
     if rate is not None:
         # mean rate over the trace = (n - 1) / span
         time_scale = (n - 1) / span / rate if span > 0 else 1.0
@@ -100,12 +108,36 @@ def iter_trace(path, fmt: Optional[str] = None, *, limit: Optional[int] = None, 
 
 
 def _replay(path, fmt, limit, seed, time_scale, repeat, n, period) -> Iterator[TraceRequest]:
-    for k in range(repeat):
-        for r in _reader(path, fmt, limit, seed):
-            r.arrival = (r.arrival + k * period) * time_scale
-            if k:
-                r.index += k * n
-            yield r
+    with _read_errors(path):
+        for k in range(repeat):
+            for r in _reader(path, fmt, limit, seed):
+                r.arrival = (r.arrival + k * period) * time_scale
+                if k:
+                    r.index += k * n
+                yield r
+
+
+def _check_file(path) -> None:
+    """Before any reading: a folder raised IsADirectoryError, and a .gz that is not gzip
+    gzip.BadGzipFile without the file's name, from inside the reader."""
+    p = Path(path)
+    if p.is_dir():
+        raise TraceFormatError(f"{path}: is a folder, not a trace file")
+    if p.suffix.lower() == ".gz" and p.is_file():
+        with open(p, "rb") as f:
+            if f.read(2) != b"\x1f\x8b":
+                raise TraceFormatError(f"{path}: named .gz but not gzip-compressed")
+
+
+@contextlib.contextmanager
+def _read_errors(path):
+    """What a reader can meet below the rows, as one line that names the file."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(f"{path}: not UTF-8 text ({e.reason})") from None
+    except (EOFError, gzip.BadGzipFile) as e:
+        raise TraceFormatError(f"{path}: damaged or truncated gzip file ({e})") from None
 
 
 def load_trace(path, fmt: Optional[str] = None, *, limit: Optional[int] = None, time_scale: float = 1.0,

@@ -20,6 +20,7 @@ draw is not modelled).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -92,7 +93,13 @@ def parse_prices(items: list[str], what: str) -> dict[str, float]:
             raise ValueError(f"{what} {it!r}: expected GPU=VALUE")
         k, v = it.split("=", 1)
         get_gpu(k)
-        out[k.lower()] = float(v)
+        try:
+            value = float(v)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf:    # h100=-1 reported negative dollars per million tokens
+            raise ValueError(f"{what} {it!r}: VALUE must be a number > 0")
+        out[k.lower()] = value
     return out
 
 

@@ -177,6 +177,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--title", default="")
 
 
+INF = float("inf")
+# (flag, lowest, highest, strict) checked before anything runs (report.check_ranges): --page-size 0
+# and --burstiness 0 divided by zero, --mem-fraction 2 ran, --limit -1 spoke of islice()
+SIM_RANGES = [("limit", 0, INF, False), ("num_requests", 0, INF, False), ("duration", 0, INF, True),
+              ("time_scale", 0, INF, True), ("rate", 0, INF, True), ("burstiness", 0, INF, True),
+              ("mem_fraction", 0, 1, True), ("page_size", 1, INF, False), ("replicas", 1, INF, False),
+              ("repeat", 1, INF, False), ("turns", 1, INF, False), ("think_time", 0, INF, False),
+              ("shared_prefix", 0, 10_000_000, False), ("prefix_groups", 1, INF, False),
+              ("max_total_tokens", 1, INF, False), ("max_model_len", 1, INF, False),
+              ("max_tokens", 1, INF, False), ("host_kv_tokens", 0, INF, False),
+              ("slo_ttft", 0, INF, True), ("slo_tpot", 0, INF, True)]
+
+
 def scheduler_config(args) -> SchedulerConfig:
     cfg = SchedulerConfig(
         max_total_tokens=args.max_total_tokens or SchedulerConfig.max_total_tokens,
@@ -253,16 +266,18 @@ def run_title(args) -> str:
 
 
 def main(args) -> int:
-    from shepherd.bench.report import format_table, write_report
+    from shepherd.bench.report import check_ranges, format_table, out_folder, write_report
     from shepherd.sim.fitted_cost import make_cost_model
     from shepherd.sim.fleet import PDConfig, parse_fleet, parse_prices
     from shepherd.sim.simulator import SimConfig, Simulator
     from shepherd.bench.trace_formats import TraceFormatError
 
     try:
+        check_ranges(args, SIM_RANGES)
         sched = scheduler_config(args)
         workload, total = build_workload(args)
-    except (TraceFormatError, ValueError, ConfigError, FileNotFoundError) as e:
+        out = out_folder(args.out)     # before the run: an existing file as --out failed after it
+    except (TraceFormatError, ValueError, ConfigError, OSError) as e:
         print(f"shepherd simulate: {e}", file=sys.stderr)
         return 2
     knobs = {}
@@ -294,15 +309,13 @@ def main(args) -> int:
     except (KeyError, ValueError, ConfigError, FileNotFoundError) as e:
         print(f"shepherd simulate: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.search:
         return run_search(args, cfg, workload, out)
     t0 = time.perf_counter()
     try:
         with RecordWriter(out / "records.jsonl" if args.records else None) as writer:
             result = sim.run(workload, total=total, on_record=writer.write if args.records else None)
-    except (TraceFormatError, ValueError, FileNotFoundError) as e:
+    except (TraceFormatError, ValueError, OSError) as e:
         print(f"shepherd simulate: {e}", file=sys.stderr)
         return 2
     wall = time.perf_counter() - t0
