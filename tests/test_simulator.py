@@ -235,6 +235,39 @@ def test_simulate_refuses_an_empty_workload_and_a_rate_of_zero(tmp_path, capsys)
     assert "give --trace FILE" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,msg", [
+    (["--page-size", "0"], "--page-size must be >= 1, got 0"),              # was ZeroDivisionError
+    (["--mem-fraction", "2"], "--mem-fraction must be > 0 and <= 1"),       # ran
+    (["--mem-fraction", "0"], "--mem-fraction must be > 0 and <= 1"),       # "does not fit"
+    (["--limit", "-1"], "--limit must be >= 0"),                            # "Stop argument for islice()"
+    (["--rate", "nan"], "--rate must be > 0"),
+    (["--arrival", "gamma", "--burstiness", "0"], "--burstiness must be > 0"),  # ZeroDivisionError
+    (["--gpu-price", "h100=-1"], "--gpu-price 'h100=-1': VALUE must be a number > 0"),  # negative dollars
+    (["--input-len", "uniform:5:1"], "bad length distribution 'uniform:5:1'"),  # "empty range for randrange()"
+    (["--input-len", "fixed:1000000000000"], "lengths 1..10,000,000"),      # numpy ArrayMemoryError
+])
+def test_simulate_refuses_bad_flags_with_one_line(tmp_path, capsys, flags, msg):
+    from shepherd.cli import main
+    argv = ["simulate", "--rate", "5", "--num-requests", "5", "--out", str(tmp_path / "o"), "--no-progress",
+            "--no-plots"]
+    if "--rate" in flags:
+        del argv[1:3]
+    assert main(argv + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shepherd simulate: ") and msg in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("out,msg", [("file", "is a file, not a folder"), ("/proc/x", "cannot be written")])
+def test_simulate_checks_out_before_running(tmp_path, capsys, out, msg):
+    # were FileExistsError / FileNotFoundError tracebacks
+    from shepherd.cli import main
+    if out == "file":
+        out = tmp_path / "f"
+        out.write_text("x")
+    assert main(["simulate", "--rate", "5", "--num-requests", "5", "--out", str(out), "--no-progress"]) == 2
+    assert f"shepherd simulate: --out {out}: {msg}" in capsys.readouterr().err
+
+
 def test_request_that_outgrows_the_pool_alone_ends_with_an_error_record():
     # Optimistic admission takes it (the prompt fits); decoding then needs more KV than the
     # whole pool, and the scheduler ends it with an error inside schedule(). The simulator

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,12 @@ def test_limit_time_scale_rate():
      "0.7,3,-5,20", "input_tokens"),
     ("servegen", "timestamp_s,client_id,input_tokens,output_tokens", "0.5,3,100,20",
      "nan,3,100,20", "timestamp_s"),
+    # an impossible clock ran on into the next day (month 13 was already refused)
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46.68,374,44",
+     "2023-11-16 25:99:99,374,44", "TIMESTAMP"),
+    # a 1e12-token prompt ran the machine out of memory building it
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46.68,374,44",
+     "2023-11-16 18:15:47.00,1000000000000,44", "ContextTokens must be <= 10,000,000"),
 ])
 def test_csv_readers_reject_malformed_rows_with_line_number(tmp_path, fmt, header, good, bad, msg):
     p = tmp_path / "t.csv"
@@ -365,3 +372,25 @@ def test_ragpulse_chunks_from_its_side_files_share_prefixes(tmp_path, caplog):
     ia, ib = T.prompt_token_ids(a, 32000), T.prompt_token_ids(b, 32000)
     assert (len(ia), len(ib)) == (530, 528)
     assert ia[:256] == ib[:256] and ia[256:456] != ib[256:454]
+
+
+@pytest.mark.parametrize("name,body,msg", [
+    ("t.csv.gz", b"TIMESTAMP,ContextTokens,GeneratedTokens\n", "named .gz but not gzip-compressed"),
+    ("t.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,3\xff4,44\n", "not UTF-8 text"),
+    ("t.json", b"[1, 2]", "a synthetic spec is a JSON object"),
+    (".", None, "is a folder, not a trace file"),
+])
+def test_unreadable_trace_files_are_one_error_that_names_the_file(tmp_path, name, body, msg):
+    # were gzip.BadGzipFile, UnicodeDecodeError, AttributeError, IsADirectoryError
+    p = tmp_path / name
+    if body is not None:
+        p.write_bytes(body)
+    with pytest.raises(F.TraceFormatError) as e:
+        T.load_trace(p)
+    assert str(e.value).startswith(str(p)) and msg in str(e.value)
+
+
+@pytest.mark.parametrize("spec", ["fixed:1000000000000", "uniform:5:1", "fixed:0", "zipf:1:100000000000"])
+def test_length_distributions_out_of_range_are_refused(spec):
+    with pytest.raises(ValueError, match="bad length distribution"):
+        S.LengthDist(spec).sampler(random.Random(0))
