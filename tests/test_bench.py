@@ -202,6 +202,37 @@ def test_a_rate_that_is_not_positive_is_refused_before_anything_is_sent(server, 
     assert not (tmp_path / "summary.json").exists() and server.count == 0
 
 
+@pytest.mark.parametrize("flags,msg", [
+    (["--time-scale", "-1"], "--time-scale must be > 0"),         # reversed the arrivals
+    (["--length-scale", "0"], "--length-scale must be > 0"),
+    (["--timeout", "0"], "--timeout must be > 0"),                # every request failed
+    (["--max-concurrency", "-1"], "--max-concurrency must be >= 1"),
+    (["--limit", "-1"], "--limit must be >= 0"),                  # "Stop argument for islice()"
+    (["--input-len", "uniform:5:1"], "bad length distribution 'uniform:5:1'"),  # "empty range for randrange()"
+    (["--input-len", "1000000000000"], "lengths up to 10,000,000"),           # hung building the prompt
+    (["--tokenizer", "/nonexist"], "--tokenizer /nonexist: "),               # ModelNotFoundError traceback
+])
+def test_bad_flags_are_refused_before_anything_is_sent(server, tmp_path, capsys, flags, msg):
+    _reset(server)
+    argv = ["bench", "--url", server.url, "--out", str(tmp_path / "o"), "--no-progress", "--no-plots",
+            "--num-requests", "2", "--output-len", "4"]
+    if "--tokenizer" not in flags:
+        argv += ["--tokenizer", "none"]
+    assert cli_main(argv + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shepherd bench: ") and msg in err and len(err.strip().splitlines()) == 1
+    assert server.count == 0
+
+
+def test_an_unusable_out_is_refused_before_anything_is_sent(server, tmp_path, capsys):
+    # an existing file as --out raised FileExistsError after every request had run
+    _reset(server)
+    (tmp_path / "f").write_text("x")
+    assert _bench(server.url, tmp_path / "f", "--num-requests", 2, "--input-len", 4, "--output-len", 4) == 2
+    assert f"shepherd bench: --out {tmp_path / 'f'}: is a file, not a folder" in capsys.readouterr().err
+    assert server.count == 0
+
+
 def test_all_fail_500(server, tmp_path):
     rc = _bench(server.url + "/all500", tmp_path, "--num-requests", 5, "--input-len", 4, "--output-len", 4)
     assert rc == 1

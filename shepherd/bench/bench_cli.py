@@ -83,6 +83,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--label", default="", help="title for the plots")
 
 
+INF = math.inf
+# (flag, lowest, highest, strict), checked before anything is sent (report.check_ranges):
+# --time-scale -1 reversed the arrivals, --timeout 0 failed every request, --limit -1 spoke of islice()
+BENCH_RANGES = [("limit", 0, INF, False), ("time_scale", 0, INF, True), ("length_scale", 0, INF, True),
+                ("max_input_len", 1, INF, False), ("max_output_len", 1, INF, False), ("block_size", 1, INF, False),
+                ("burstiness", 0, INF, True), ("num_requests", 0, INF, False),
+                ("shared_prefix", 0, 10_000_000, False), ("clients", 1, INF, False),
+                ("max_concurrency", 1, INF, False), ("timeout", 0, INF, True),
+                ("slo_ttft", 0, INF, True), ("slo_tpot", 0, INF, True)]
+
+
 def adapter_names(spec: str, url: str, api_key=None) -> list[str]:
     """--adapters: a count (the first N adapters the server lists: /v1/models entries with a
     parent) or comma-separated names."""
@@ -157,6 +168,8 @@ def main(args) -> int:
     else:
         extra = {}
     try:
+        report.check_ranges(args, BENCH_RANGES)
+        out = report.out_folder(args.out)      # before any request: a bad --out failed after all had run
         trace = build_workload(args)
     except (ValueError, OSError) as e:
         print(f"shepherd bench: {e}", file=sys.stderr)
@@ -176,7 +189,11 @@ def main(args) -> int:
             return 2
 
     t_build = time.perf_counter()
-    tok = prompts.load_tokenizer(args.tokenizer)
+    try:
+        tok = prompts.load_tokenizer(args.tokenizer)
+    except (ValueError, OSError) as e:      # ModelNotFoundError is both; it was a traceback
+        print(f"shepherd bench: --tokenizer {args.tokenizer}: {e}", file=sys.stderr)
+        return 2
     builder = prompts.PromptBuilder(tok, seed=args.seed, block_size=args.block_size,
                                     shared_prefix=args.shared_prefix)
     reqs = []
@@ -216,7 +233,6 @@ def main(args) -> int:
                "client_tokens_requested": sum(r.trace.output_tokens for r in reqs)})
     if m.get("preemptions") is not None:
         summary["preemptions"] = m["preemptions"]
-    out = Path(args.out)
     write_outputs(out, summary, res, args)
     print(report.format_table(summary))
     failed = [r for r in recs if not r.ok]

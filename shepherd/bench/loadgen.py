@@ -424,16 +424,24 @@ _COUNTERS = {
 def parse_dist(spec: str | int | float):
     """A length distribution: "256" (fixed), "uniform:LO:HI", "normal:MEAN:STD",
     "exp:MEAN", "lognormal:MEAN:SIGMA". Returns rng -> int >= 1."""
+    from shepherd.bench.trace_formats import MAX_TRACE_TOKENS
     s = str(spec).strip().lower()
     parts = s.split(":")
     kind = parts[0]
     try:
+        # lengths (and means) in 1..MAX_TRACE_TOKENS: a 1e12-token prompt hung bench building it
         if len(parts) == 1:
             v = int(float(kind))
-            return lambda rng: max(1, v)
+            if not 1 <= v <= MAX_TRACE_TOKENS:
+                raise ValueError
+            return lambda rng: v
         args = [float(x) for x in parts[1:]]
+        if not all(0 <= a <= MAX_TRACE_TOKENS for a in args):
+            raise ValueError
         if kind in ("uniform", "u") and len(args) == 2:
             lo, hi = int(args[0]), int(args[1])
+            if lo > hi:         # randint's own words: "empty range for randrange()"
+                raise ValueError
             return lambda rng: max(1, rng.randint(lo, hi))
         if kind in ("normal", "n") and len(args) == 2:
             return lambda rng: max(1, int(round(rng.gauss(args[0], args[1]))))
@@ -445,8 +453,8 @@ def parse_dist(spec: str | int | float):
             return lambda rng: max(1, int(round(rng.lognormvariate(mu, sigma))))
     except ValueError:
         pass
-    raise ValueError(f"bad length distribution {spec!r}: use N, uniform:LO:HI, normal:MEAN:STD, "
-                     "exp:MEAN or lognormal:MEAN:SIGMA")
+    raise ValueError(f"bad length distribution {spec!r}: use N, uniform:LO:HI (LO <= HI), normal:MEAN:STD, "
+                     "exp:MEAN or lognormal:MEAN:SIGMA, lengths up to 10,000,000")
 
 
 def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
