@@ -226,3 +226,22 @@ def test_calibrate_served_sets_the_frontend_latency_from_one_requests_ttft(monke
     assert fit.frontend == pytest.approx(0.040 - fit.shape_time(BatchShape.prefill(128)))
     assert fit.meta["served_overhead"]["frontend"] == fit.frontend
     assert fc.FittedCostModel.from_json(fit.to_json()).frontend == fit.frontend   # kept in the JSON
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--batch-sizes", "abc"], "--batch-sizes must be a comma-separated list of integers >= 1, got 'abc'"),
+    (["--batch-sizes", "0"], "--batch-sizes must be a comma-separated list of integers >= 1, got '0'"),
+    (["--prompt-lens", "-5"], "--prompt-lens must be a comma-separated list of integers >= 1, got '-5'"),
+    (["--from-samples", "/nonexist"], "--from-samples /nonexist: cannot read"),
+    (["--from-samples", "BAD"], "BAD:2: not a sample line"),
+])
+def test_calibrate_refuses_bad_flags_with_one_line(tmp_path, capsys, flags, msg):
+    # each was a traceback (int(), ValueError at the grid, FileNotFoundError, json.loads)
+    from shepherd.cli import main
+    bad = tmp_path / "s.jsonl"
+    bad.write_text('{"shape": {"num_seqs": 1}, "seconds": 0.1}\nnot json\n')
+    flags = [str(bad) if f == "BAD" else f for f in flags]
+    assert main(["calibrate", "--out", str(tmp_path / "c.json"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shepherd calibrate: ") and msg.replace("BAD", str(bad)) in err
+    assert len(err.strip().splitlines()) == 1

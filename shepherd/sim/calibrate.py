@@ -116,13 +116,34 @@ def collect_samples(executor, sched_cfg, batch_sizes, prompt_lens, decode_steps:
     return samples
 
 
+def _grid(flag: str, text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; ValueError naming the flag ('abc' was int()'s traceback, 0 a failure mid-run)."""
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise ValueError(f"{flag} must be a comma-separated list of integers >= 1, got {text!r}")
+    return vals
+
+
 def main(args) -> int:
     from shepherd.config import EngineConfig, SchedulerConfig, whole_pages
     from shepherd.sim.cost_model import BatchShape
     from shepherd.sim.fitted_cost import fit_cost_model
 
-    if args.from_samples:
-        return _refit(args)
+    try:
+        _grid("--batch-sizes", args.batch_sizes)
+        _grid("--prompt-lens", args.prompt_lens)
+        for flag, v, lo in (("--decode-steps", args.decode_steps, 1), ("--repeats", args.repeats, 1),
+                            ("--warmup", args.warmup, 0)):
+            if v < lo:
+                raise ValueError(f"{flag} must be >= {lo}, got {v}")
+        if args.from_samples:
+            return _refit(args)
+    except ValueError as e:
+        print(f"shepherd calibrate: {e}", file=sys.stderr)
+        return 2
     if args.host_path:
         return _host_path(args)
     try:
@@ -374,10 +395,17 @@ def _refit(args) -> int:
     from shepherd.sim.cost_model import BatchShape, get_model
     from shepherd.sim.fitted_cost import fit_cost_model, load_cost_model
     samples = []
-    with open(args.from_samples) as f:
-        for line in f:
-            d = json.loads(line)
-            samples.append((BatchShape(**d["shape"]), float(d["seconds"])))
+    try:
+        with open(args.from_samples, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                try:
+                    d = json.loads(line)
+                    samples.append((BatchShape(**d["shape"]), float(d["seconds"])))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ValueError(f"{args.from_samples}:{lineno}: not a sample line "
+                                     f"({{'shape': {{...}}, 'seconds': S}}): {e}") from None
+    except OSError as e:
+        raise ValueError(f"--from-samples {args.from_samples}: cannot read ({e.strerror or e})") from None
     meta = {}
     try:
         meta = load_cost_model(args.out).meta
