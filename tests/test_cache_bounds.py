@@ -64,6 +64,20 @@ def test_simulator_reports_bounds_cache_and_routing():
     assert s["cache"]["cached_peak_tokens"] > 0 and s["cache"]["evicted_tokens"] == 0
 
 
+def test_bounds_count_the_served_requests_as_the_achieved_rate_does():
+    # two of four requests too long for the context: their prompts were in the bounds' query
+    # tokens but not in the achieved rate's, so the "bound" (7 of 32+) read below what was achieved
+    g = dict(prefix_group="g", prefix_tokens=8)
+    trace = [TraceRequest(arrival=float(i), prompt_tokens=n, output_tokens=2, index=i, **g)
+             for i, n in enumerate([12, 100, 12, 100])]
+    res = simulate(trace, SimConfig(kv_capacity=4096, block_size=4, max_model_len=50,
+                                    scheduler=SchedulerConfig(max_total_tokens=4096)))
+    s = res.summary()
+    assert s["rejections"]["context_length"]["count"] == 2
+    assert s["hit_rate_bounds"]["query_tokens"] == 24 == s["sim"]["prefix_query_tokens"]
+    assert s["prefix_hit_rate"] == pytest.approx(8 / 24) == s["hit_rate_bounds"]["infinite"]
+
+
 def two_turns(second_at: float, out0: int = 5):
     g = dict(prefix_group="g", prefix_tokens=6, session="s")
     return [TraceRequest(arrival=0.0, prompt_tokens=10, output_tokens=out0, index=0, **g),

@@ -390,7 +390,11 @@ class Simulator:
                 raise ValueError(f"trace not in arrival order: request {n - 1} arrives at {tr.arrival} "
                                  f"after one at {last}")
             last = tr.arrival
-            if bounds is not None:
+            rec = self._arrive(tr, n - 1)
+            # the bounds see the requests the achieved rate sees: not one refused at arrival (context
+            # length, queue full), which counted 50 rejected prompts against 50 served ones. Observed
+            # after the add, with the same state: only observe() changes what the bounds match against
+            if bounds is not None and rec.error_kind is None:
                 inf0, lru0 = bounds.hit_inf, bounds.hit_lru
                 bounds.observe(tr, request_id(tr, n - 1), at=tr.arrival + self.cost.frontend)
                 # the bounds' hits by arrival time, beside the achieved ones (_emit): plots.py's prefix_time.png
@@ -398,7 +402,6 @@ class Simulator:
                 bins.add1("prefix_query", tr.arrival, tr.prompt_tokens)
                 bins.add1("prefix_hit_infinite", tr.arrival, bounds.hit_inf - inf0)
                 bins.add1("prefix_hit_lru_cluster", tr.arrival, bounds.hit_lru - lru0)
-            rec = self._arrive(tr, n - 1)
             if bounds is not None:
                 bounds.settle(self._reported_until(tr.arrival + self.cost.frontend))
             if cfg.keep_records:
