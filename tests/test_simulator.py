@@ -268,6 +268,18 @@ def test_simulate_checks_out_before_running(tmp_path, capsys, out, msg):
     assert f"shepherd simulate: --out {out}: {msg}" in capsys.readouterr().err
 
 
+def test_outputs_cut_at_the_context_are_counted_in_the_summary(tmp_path, capsys):
+    # a trace output past max_model_len - prompt was generated only that far, without a word
+    from shepherd.cli import main
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+                     "2023-11-16 18:15:47.68,374,9000000\n")
+    assert main(["simulate", "--trace", str(trace), "--out", str(tmp_path / "o"), "--no-progress", "--no-plots",
+                 "--max-model-len", "4096"]) == 0
+    assert "output clipped       1: trace outputs longer than max_model_len=4096" in capsys.readouterr().out
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["output_clipped"]["count"] == 1
+
+
 def test_request_that_outgrows_the_pool_alone_ends_with_an_error_record():
     # Optimistic admission takes it (the prompt fits); decoding then needs more KV than the
     # whole pool, and the scheduler ends it with an error inside schedule(). The simulator

@@ -264,6 +264,9 @@ def _requests_rows(s: dict) -> list[tuple[str, str]]:
     for kind, v in rej.items():
         hint = REJECT_HINTS.get(kind)
         rows.append((f"  rejected: {kind}", f"{_fmt(v['count'])}: {v['reason']}" + (f" ({hint})" if hint else "")))
+    clip = s.get("output_clipped")
+    if clip and clip.get("count"):
+        rows.append(("  output clipped", f"{_fmt(clip['count'])}: {clip['reason']}"))
     return rows
 
 

@@ -141,6 +141,7 @@ class SimResult:
     routing: dict = field(default_factory=dict)      # routing decisions by reason
     hit_rate_bounds: dict = field(default_factory=dict)
     rejections: dict = field(default_factory=dict)   # kind -> {"count", "reason"}: refused at add()
+    output_clipped: int = 0                          # outputs cut to max_model_len - prompt
     max_model_len: Optional[int] = None
     fleet: Optional[FleetCost] = None                # the replica groups and their prices
     disagg: dict = field(default_factory=dict)       # prefill/decode disaggregation's counts
@@ -172,6 +173,9 @@ class SimResult:
                       "prefix_query_tokens": self.prefix_query_tokens, "max_model_len": self.max_model_len,
                       **({"cost_model_range": self.cost_range} if self.cost_range else {})},
               "rejections": self.rejections,
+              "output_clipped": {"count": self.output_clipped,
+                                 "reason": f"trace outputs longer than max_model_len={self.max_model_len} "
+                                           "minus the prompt, generated only that far"},
               "hit_rate_bounds": self.hit_rate_bounds,
               "cache": {"cached_peak_tokens": sum(r["cached_peak_tokens"] for r in self.replicas),
                         "evicted_tokens": sum(r["evicted_tokens"] for r in self.replicas)},
@@ -371,6 +375,7 @@ class Simulator:
         self._router.feed = self._kv_feed
         self.finished = 0
         self.rejections: dict = {}
+        self.output_clipped = 0          # accepted requests whose trace output ran past max_model_len
         beyond0 = self._beyond_counts()
         self.stats = RecordStats(seed=cfg.seed)
         self._hits = TimeBins()          # prefix tokens asked, hit, and the bounds' hits, by arrival time
@@ -447,6 +452,11 @@ class Simulator:
         from shepherd.scheduler.scheduler import QueueFull, RequestRejected
         try:
             rep.add(track, now)
+            # the scheduler clips max_tokens to the context left (as the engine does); the trace's
+            # longer output then never happens, which was silent: count it for the summary
+            room = self.max_model_len - len(track.req.prompt_ids)
+            if track.target > room:
+                self.output_clipped += 1
         except (QueueFull, RequestRejected) as e:
             rec = track.rec
             rec.ok, rec.finish = False, now
@@ -516,7 +526,8 @@ class Simulator:
             wall_s=wall, config=cfg, cost_model=self.cost.name,
             batches=batches, replica_stats=stats, replicas=[r.counters() for r in self.replicas],
             routing=routing, hit_rate_bounds=bounds.result() if bounds is not None else {},
-            rejections=dict(sorted(self.rejections.items())), cost_range=self._cost_range(beyond0),
+            rejections=dict(sorted(self.rejections.items())), output_clipped=self.output_clipped,
+            cost_range=self._cost_range(beyond0),
             max_model_len=self.max_model_len, fleet=self.fleet,
             disagg=self._disagg.summary() if self._disagg is not None else {})
 
