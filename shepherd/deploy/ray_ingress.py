@@ -54,11 +54,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shepherd.deploy.ray_replica import REPLICA_HEADER
 from shepherd.deploy.ray_call import HttpCall, live_router
-from shepherd.gateway.intake import (error_body, json_500_on_error, read_json_object, route_request_from, send_json,
+from shepherd.gateway.intake import (error_body, read_json_object, route_request_from, send_json,
                                      send_metrics, split_headers, usage_tokens, watch_disconnect)
 from shepherd.gateway.kv_routing import PromptTokens
 from shepherd.server.guard import (BODY_CAP_HEADER, DEFAULT_BODY_TIMEOUT, Parser, Refusal, body_cap_of, front_cap,
-                                   key_error, read_body)
+                                   json_500_on_error, key_error, read_body)
 
 log = logging.getLogger("shepherd.deploy")
 

@@ -46,12 +46,12 @@ from shepherd.gateway.admin import Admin
 from shepherd.gateway.backends import Backend, BackendPool
 from shepherd.gateway.gw_metrics import GatewayMetrics
 from shepherd.gateway.http1 import Http1Pool
-from shepherd.gateway.intake import (error_body, json_500_on_error, read_json_object, route_request_from, send_json,
+from shepherd.gateway.intake import (error_body, read_json_object, route_request_from, send_json,
                                      send_metrics, split_headers, watch_disconnect)
 from shepherd.gateway.kv_routing import KVRouting
 from shepherd.gateway.proxy import Proxy
 from shepherd.routing import RoutingPolicy
-from shepherd.server.guard import Parser, Refusal, front_cap, key_error
+from shepherd.server.guard import Parser, Refusal, front_cap, json_500_on_error, key_error
 
 log = logging.getLogger("shepherd.gateway")
 

@@ -102,23 +102,6 @@ async def watch_disconnect(receive, send, run: Callable[..., Awaitable[None]]) -
         watcher.cancel()
 
 
-async def json_500_on_error(handler, scope, receive, send, who: str, log) -> None:
-    """`await handler(scope, receive, send)`; a bug it raises is logged and, when nothing was
-    answered yet, answered as an OpenAI-style JSON 500, never as plain text."""
-    started = False
-
-    async def send_seen(msg):
-        nonlocal started
-        started = started or msg["type"] == "http.response.start"
-        await send(msg)
-    try:
-        await handler(scope, receive, send_seen)
-    except Exception as e:  # noqa: BLE001 - the point of this function
-        log.exception("%s error", who)
-        if not started:
-            await send_json(send, 500, error_body(f"{who} error: {type(e).__name__}", "server_error", 500))
-
-
 def usage_tokens(data: bytes) -> int:
     """completion_tokens of a JSON answer's usage (0 when there is none). OpenAI-style answers
     (ours, vLLM's, SGLang's) put `usage` last, so only the object after its key is decoded: an

@@ -60,7 +60,7 @@ _NOT_SKELETON = bytes(b for b in range(256) if b not in b'"[]{}')     # all but 
 class Refusal(Exception):
     """An answer the door gives instead of the app: status, OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, code: Optional[str], type_: str = "invalid_request_error",
+    def __init__(self, status: int, message: str, code: str, type_: str = "invalid_request_error",
                  param: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.code, self.type, self.param = status, message, code, type_, param
@@ -230,6 +230,26 @@ async def answer(send, status: int, data: bytes, headers: Optional[list] = None)
     await send({"type": "http.response.body", "body": data})
 
 
+async def json_500_on_error(handler, scope, receive, send, who: str, log) -> None:
+    """`await handler(scope, receive, send)`; a bug it raises is logged and, when nothing was
+    answered yet, answered as an OpenAI-style JSON 500, never as plain text, with the connection
+    kept (the server, the gateway and the Ray ingress)."""
+    started = False
+
+    async def send_seen(msg):
+        nonlocal started
+        started = started or msg["type"] == "http.response.start"
+        await send(msg)
+    try:
+        await handler(scope, receive, send_seen)
+    except Exception as e:  # noqa: BLE001 - the point of this function
+        log.exception("%s error", who)
+        if not started:
+            body = {"error": {"message": f"{who} error: {type(e).__name__}", "type": "server_error",
+                              "param": None, "code": 500}}
+            await answer(send, 500, json.dumps(body).encode())
+
+
 class BodyGuard:
     """ASGI middleware of `shepherd serve`: steps 1-3 of the module doc for every POST
     (step 1 for every request); the parsed body goes on in scope["shepherd.json"]."""
@@ -276,24 +296,9 @@ class BodyGuard:
         await self._run(scope, replay, send)
 
     async def _run(self, scope, receive, send):
-        """The app; an error it did not answer (a bug) is a 500 with an error body here. Starlette's
-        own handler for it re-raised after answering, and uvicorn then closed the connection: the
-        client's next request on it (a pooled keep-alive one) failed with a reset."""
-        started = False
-
-        async def tracked(msg):
-            nonlocal started
-            started = started or msg["type"] == "http.response.start"
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, tracked)
-        except Exception as e:
-            logger.exception("unhandled error")
-            if started:
-                raise           # an answer cut part-way: only closing the connection tells the client
-            r = Refusal(500, f"internal error: {type(e).__name__}: {e}", None, "server_error")
-            await answer(send, 500, r.body())
+        # a bug is answered here, not by Starlette's handler, which re-raised after answering:
+        # uvicorn then closed the connection, and a client's next request on it failed with a reset
+        await json_500_on_error(self.app, scope, receive, send, "internal", logger)
 
 
 class _ParsedRequest(Request):
