@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from shepherd.bench.trace_formats import FORMATS
+from shepherd.config import INF, check_ranges
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,8 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--label", default="", help="title for the plots")
 
 
-INF = math.inf
-# (flag, lowest, highest, strict), checked before anything is sent (report.check_ranges):
+# (flag, lowest, highest, strict), checked before anything is sent (config.check_ranges):
 # --time-scale -1 reversed the arrivals, --timeout 0 failed every request, --limit -1 spoke of islice()
 BENCH_RANGES = [("limit", 0, INF, False), ("time_scale", 0, INF, True), ("length_scale", 0, INF, True),
                 ("max_input_len", 1, INF, False), ("max_output_len", 1, INF, False), ("block_size", 1, INF, False),
@@ -168,7 +168,7 @@ def main(args) -> int:
     else:
         extra = {}
     try:
-        report.check_ranges(args, BENCH_RANGES)
+        check_ranges(args, BENCH_RANGES)
         out = report.out_folder(args.out)      # before any request: a bad --out failed after all had run
         trace = build_workload(args)
     except (ValueError, OSError) as e:

@@ -67,21 +67,6 @@ def out_folder(path) -> Path:
     return out
 
 
-def check_ranges(args, rows) -> None:
-    """rows: (attribute, lowest, highest, strict): a flag whose value is not None must lie in the
-    range (above `lowest` when strict, else from it). NaN fails every comparison, so it is refused too."""
-    for name, lo, hi, strict in rows:
-        v = getattr(args, name, None)
-        if v is None:
-            continue
-        ok = (v > lo if strict else v >= lo) and v <= hi
-        if not ok:
-            where = f"> {lo:g}" if strict else f">= {lo:g}"
-            if hi != math.inf:
-                where += f" and <= {hi:g}"
-            raise ValueError(f"--{name.replace('_', '-')} must be {where}, got {v}")
-
-
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> Optional[float]:
     a = np.asarray(values, dtype=np.float64)
     if a.size == 0:

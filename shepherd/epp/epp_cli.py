@@ -43,10 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_picker(args: argparse.Namespace):
     """(EndpointPicker, httpx client) from parsed arguments; ValueError on a bad configuration."""
-    from shepherd.gateway.gateway_cli import check_intervals
+    from shepherd.config import check_ranges
+    from shepherd.gateway.gateway_cli import INTERVALS
     from shepherd.server.serve_cli import check_port
     check_port(args.port)
-    check_intervals(args, positive=("health_interval",), non_negative=("metrics_interval",))
+    check_ranges(args, [r for r in INTERVALS if r[0] in ("health_interval", "metrics_interval")])
     import httpx
 
     from shepherd.epp.picker import EndpointPicker

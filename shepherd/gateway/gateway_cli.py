@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Optional
 
+from shepherd.config import INF, check_ranges
 from shepherd.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
 from shepherd.server.serve_cli import add_door_flags, add_flags, check_listen, check_port
 
@@ -75,14 +76,11 @@ def policy_from_args(args: argparse.Namespace):
     return make_policy(args.policy, **knobs)
 
 
-def check_intervals(args, positive=(), non_negative=()) -> None:
-    """Seconds flags: 0 would time out every request or turn the health checks off without a word
-    (only --metrics-interval documents 0 as off); a NaN compares false to everything."""
-    for name in positive + non_negative:
-        v = getattr(args, name)
-        if not (v > 0 or (name in non_negative and v == 0)):
-            raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if name in non_negative else '> 0'} "
-                             f"seconds, got {v}")
+# seconds flags: 0 would time out every request or turn the health checks off without a word (only
+# --metrics-interval and --retry-backoff take 0, as off); epp checks its two intervals the same way
+INTERVALS = [("connect_timeout", 0, INF, True, "seconds"), ("read_timeout", 0, INF, True, "seconds"),
+             ("health_interval", 0, INF, True, "seconds"), ("retry_backoff", 0, INF, False, "seconds"),
+             ("metrics_interval", 0, INF, False, "seconds")]
 
 
 def build_gateway(args: argparse.Namespace):
@@ -97,8 +95,7 @@ def build_gateway(args: argparse.Namespace):
             raise ValueError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
     if args.max_body_bytes < 1024 or args.body_timeout <= 0 or args.stall_timeout <= 0:
         raise ValueError("--max-body-bytes must be >= 1024, --body-timeout and --stall-timeout > 0")
-    check_intervals(args, positive=("connect_timeout", "read_timeout", "health_interval"),
-                    non_negative=("retry_backoff", "metrics_interval"))
+    check_ranges(args, INTERVALS)
     health = HealthConfig(fail_threshold=args.fail_threshold, success_threshold=args.success_threshold,
                           health_interval=args.health_interval, metrics_interval=args.metrics_interval,
                           stall_timeout=args.stall_timeout)

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from shepherd.config import INF, check_ranges
 
 # the served points' requests: the fit subtracts the step at their mean context (prompt plus
 # half the output), and the frontend latency the prefill of one such prompt
@@ -135,10 +136,7 @@ def main(args) -> int:
     try:
         _grid("--batch-sizes", args.batch_sizes)
         _grid("--prompt-lens", args.prompt_lens)
-        for flag, v, lo in (("--decode-steps", args.decode_steps, 1), ("--repeats", args.repeats, 1),
-                            ("--warmup", args.warmup, 0)):
-            if v < lo:
-                raise ValueError(f"{flag} must be >= {lo}, got {v}")
+        check_ranges(args, [("decode_steps", 1, INF, False), ("repeats", 1, INF, False), ("warmup", 0, INF, False)])
         if args.from_samples:
             return _refit(args)
     except ValueError as e:

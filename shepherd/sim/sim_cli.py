@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from shepherd.bench.trace_formats import FORMATS
-from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
-                             ConfigError, SchedulerConfig, SpeculativeConfig)
+from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, INF, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
+                             ConfigError, SchedulerConfig, SpeculativeConfig, check_ranges)
 
 
 def add_scheduler_arguments(p: argparse.ArgumentParser) -> None:
@@ -177,8 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--title", default="")
 
 
-INF = float("inf")
-# (flag, lowest, highest, strict) checked before anything runs (report.check_ranges): --page-size 0
+# (flag, lowest, highest, strict) checked before anything runs (config.check_ranges): --page-size 0
 # and --burstiness 0 divided by zero, --mem-fraction 2 ran, --limit -1 spoke of islice()
 SIM_RANGES = [("limit", 0, INF, False), ("num_requests", 0, INF, False), ("duration", 0, INF, True),
               ("time_scale", 0, INF, True), ("rate", 0, INF, True), ("burstiness", 0, INF, True),
@@ -266,7 +265,7 @@ def run_title(args) -> str:
 
 
 def main(args) -> int:
-    from shepherd.bench.report import check_ranges, format_table, out_folder, write_report
+    from shepherd.bench.report import format_table, out_folder, write_report
     from shepherd.sim.fitted_cost import make_cost_model
     from shepherd.sim.fleet import PDConfig, parse_fleet, parse_prices
     from shepherd.sim.simulator import SimConfig, Simulator
