@@ -45,7 +45,7 @@ REPEAT = 5
 # one of each kind of door: refused by size before reading (a long string, a large dict), refused
 # after tokenizing off the loop, a large logit_bias, a grammar over its compile budget, /detokenize
 SUBSET = ("3 MB prompt (413 before reading)", "5 MB logit_bias of 400k entries (413 before reading)",
-          "900k-character chat message", "logit_bias of 60k entries", "8 strings of up to 300,007 characters (compile over budget)",
+          "900k-character chat message", "logit_bias of 60k entries", "64 repeats of up to 30,063 letters (compile over budget)",
           "/detokenize of 150k tokens")
 
 

@@ -328,9 +328,8 @@ def test_grammar_check_budgets_and_cached_verdicts(tok):
 
     from shepherd.server.common import APIError
     from shepherd.server.grammar_check import GrammarCheck
-    # eight long strings: seconds to compile (4 of them: 4.9 s on the 2-core CI machine)
-    enum = ("json_schema", json.dumps({"type": "object", "properties": {
-        f"s{i}": {"type": "string", "maxLength": 300_000 + i} for i in range(8)}}))
+    from test_stall import SLOW_REGEX
+    slow = ("regex", SLOW_REGEX)                 # seconds to compile with any xgrammar tried
 
     async def main():
         gc = GrammarCheck(tok, timeout=0.5, max_bytes=150_000)
@@ -342,11 +341,11 @@ def test_grammar_check_budgets_and_cached_verdicts(tok):
                 await gc.check(("json_schema", json.dumps({"not": {}})), "p")
             t0 = time.perf_counter()
             with pytest.raises(APIError, match="--grammar-timeout"):
-                await gc.check(enum, "p")
+                await gc.check(slow, "p")
             assert time.perf_counter() - t0 < 5
             t0 = time.perf_counter()
             with pytest.raises(APIError, match="--grammar-timeout"):
-                await gc.check(enum, "p")
+                await gc.check(slow, "p")
             assert time.perf_counter() - t0 < 0.05
             await gc.check(("regex", "[x-z]{2}"), "p")                 # a fresh worker after the kill
         finally:
