@@ -51,7 +51,7 @@ def _json(obj) -> bytes:
 
 PIPE_ATTACKS = ("schema", "fullbias")
 VALID_ATTACKS = ("answer", "long")       # valid requests whose size is the load: not in the table
-COUNT_ATTACKS = ("msgs", "parts")        # bodies under the size cap whose item count is the load
+COUNT_ATTACKS = ("msgs", "parts", "mparts")        # bodies under the size cap whose item count is the load
 
 
 def attacks() -> dict:
@@ -87,6 +87,10 @@ def attacks() -> dict:
         "parts": ("chat message of 45,000 empty text parts (1.2 MB)", "/v1/chat/completions",
                   _json({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 45_000}],
                          "max_tokens": 1})),
+        # the most objects a chat can still bring past the 2,048-message cap (protocol.MAX_CHAT_MESSAGES)
+        "mparts": ("chat of 2,048 messages of 21 empty text parts (1.2 MB)", "/v1/chat/completions",
+                   _json({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 21}] * 2048,
+                          "max_tokens": 1})),
         "detok": ("`/detokenize` of 1M tokens", "/detokenize",
                   _json({"tokens": [i % vocab for i in range(1_000_000)]})),
         "tok": ("`/tokenize` of 1M characters", "/tokenize", _json({"prompt": "abc def " * 125_000})),

@@ -68,9 +68,12 @@ ATTACKS = {
         "messages": [{"role": "user", "content": "pick"}], "max_tokens": 8,
         "guided_regex": SLOW_REGEX})),
     # under the body cap: what grows is the objects to parse, validate and render (validated in
-    # the work thread; a full garbage collection walking ten such bodies held the loop 0.18 s)
-    "chat of 43,000 empty messages": ("/v1/chat/completions", _json({
-        "messages": [{"role": "user", "content": ""}] * 43_000, "max_tokens": 1})),
+    # the work thread; a full garbage collection walking ten such bodies held the loop 0.18 s).
+    # A chat has at most 2,048 messages (refused before they are validated), so the most objects
+    # one can still bring are in its messages' parts: 43,000 of them, rendered, then too long
+    "chat of 2,048 messages of 21 empty parts": ("/v1/chat/completions", _json({
+        "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 21}] * 2048,
+        "max_tokens": 1})),
     "/detokenize of 150k tokens": ("/detokenize", _json({"tokens": [i % 49152 for i in range(150_000)]})),
     "/tokenize of 900k characters": ("/tokenize", _json({"prompt": "abc " * 225_000})),
 }

@@ -44,7 +44,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -54,11 +53,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shepherd.deploy.ray_replica import REPLICA_HEADER
 from shepherd.deploy.ray_call import HttpCall, live_router
-from shepherd.gateway.intake import (error_body, read_json_object, route_request_from, send_json,
+from shepherd.gateway.intake import (error_body, read_routed, send_json,
                                      send_metrics, split_headers, usage_tokens, watch_disconnect)
 from shepherd.gateway.kv_routing import PromptTokens
+from shepherd.routing import RouteRequest
 from shepherd.server.guard import (BODY_CAP_HEADER, DEFAULT_BODY_TIMEOUT, Parser, Refusal, body_cap_of, front_cap,
-                                   json_500_on_error, key_error, read_body)
+                                   json_500_on_error, key_error, read_body, settle_heap)
 
 log = logging.getLogger("shepherd.deploy")
 
@@ -144,12 +144,10 @@ class IngressApp:
             body, route = b"", None
             if method not in ("GET", "HEAD"):
                 if path in ROUTED_PATHS and method == "POST":
-                    got = await read_json_object(receive, scope, self.parser, cap, cfg.body_timeout, flag)
+                    got = await read_routed(receive, scope, self.parser, cap, cfg.body_timeout, flag,
+                                            ROUTED_PATHS[path], xh, self._fill_tokens if self.tokens else None)
                     if got is not None:
-                        body, payload = got
-                        route = route_request_from(payload, ROUTED_PATHS[path], xh, time.monotonic())
-                        if self.tokens is not None and route.token_ids is None:
-                            route.token_ids = await self.tokens.ids(payload, ROUTED_PATHS[path] == "chat", (), None)
+                        body, route, _ = got
                 else:
                     got = body = await read_body(receive, scope, cap, cfg.body_timeout, flag)
                 if got is None:
@@ -162,6 +160,10 @@ class IngressApp:
                         headers=headers, body=body, route=route)
         timeout = self.cfg.health_timeout if path == "/health" else self.cfg.read_timeout
         await self._guarded(receive, send, call, timeout)
+
+    async def _fill_tokens(self, route: RouteRequest, payload: dict, chat: bool) -> None:
+        if route.token_ids is None:
+            route.token_ids = await self.tokens.ids(payload, chat, (), None)
 
     async def _health_probe(self) -> None:
         gen = self.handle.remote(HttpCall("GET", "/health"))
@@ -391,6 +393,7 @@ class ShepherdIngress:
 
     def __init__(self, replicas: Any, cfg: Optional[IngressConfig] = None) -> None:
         self._app = IngressApp(replicas, cfg)
+        settle_heap()       # its own actor process: as `shepherd serve` and the gateway do
 
     def __serve_build_asgi_app__(self) -> IngressApp:
         return self._app

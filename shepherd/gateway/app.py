@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,7 +45,7 @@ from shepherd.gateway.admin import Admin
 from shepherd.gateway.backends import Backend, BackendPool
 from shepherd.gateway.gw_metrics import GatewayMetrics
 from shepherd.gateway.http1 import Http1Pool
-from shepherd.gateway.intake import (error_body, read_json_object, route_request_from, send_json,
+from shepherd.gateway.intake import (error_body, read_routed, send_json,
                                      send_metrics, split_headers, watch_disconnect)
 from shepherd.gateway.kv_routing import KVRouting
 from shepherd.gateway.proxy import Proxy
@@ -239,21 +238,20 @@ class Gateway:
         try:
             cap, flag = front_cap(cfg.max_body_bytes, "gateway body cap",
                                   [b.max_body_bytes for b in self.pool.backends()])
-            got = await read_json_object(receive, scope, self.parser, cap, cfg.body_timeout, flag)
+            fwd, hdrs = self._forward_headers(scope)
+            fill = None if self.kv is None else (
+                lambda rr, payload, chat: self.kv.fill(rr, payload, chat, self.pool.replicas(), self.client))
+            got = await read_routed(receive, scope, self.parser, cap, cfg.body_timeout, flag, PROXY_PATHS[path],
+                                    hdrs, fill)
             if got is None:
                 m.errors.labels("client_abort").inc()
                 return
-            body, payload = got
-            fwd, hdrs = self._forward_headers(scope)
-            rr = route_request_from(payload, PROXY_PATHS[path], hdrs, time.monotonic())
+            body, rr, stream = got
         except Refusal as r:
             m.errors.labels("bad_request").inc()
             return await send_json(send, r.status, r.payload())
-        if self.kv is not None:
-            await self.kv.fill(rr, payload, path == "/v1/chat/completions", self.pool.replicas(), self.client)
         self.in_flight += 1
         try:
-            stream = payload.get("stream") is True
             if not await watch_disconnect(receive, send, lambda s: self.proxy.dispatch(s, path, body, fwd, rr, stream)):
                 m.errors.labels("client_abort").inc()
         finally:

@@ -12,7 +12,6 @@ A configuration error is one clear line and exit status 2.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -132,8 +131,8 @@ def main(args: argparse.Namespace) -> int:
     keys += ", admin endpoints on" if args.admin_key else ""
     print(f"shepherd gateway: {pname} over {len(gw.pool.backends())} backend(s) "
           f"on http://{args.host}:{args.port}{keys}", file=sys.stderr, flush=True)
-    gc.collect()
-    gc.freeze()         # as serve does: a full collection walked the startup heap, ~40 ms (imports alone)
+    from shepherd.server.guard import settle_heap
+    settle_heap()       # as serve does: the startup heap frozen (its imports alone: ~40 ms a full collection)
     uvicorn.run(gw, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 lifespan="on", timeout_keep_alive=30)
     return 0
@@ -150,6 +149,7 @@ def run_gateway(backends: list, policy: str = "least-request", host: str = "127.
 
     from shepherd.gateway.app import Gateway, GatewayConfig
     from shepherd.gateway.backends import BackendPool, HealthConfig
+    from shepherd.server.guard import settle_heap
     gfields = {f.name for f in dataclasses.fields(GatewayConfig)}
     hfields = {f.name for f in dataclasses.fields(HealthConfig)}
     unknown = set(config) - gfields - hfields
@@ -158,6 +158,5 @@ def run_gateway(backends: list, policy: str = "least-request", host: str = "127.
     gw = Gateway(BackendPool(backends, health=HealthConfig(**{k: v for k, v in config.items() if k in hfields})),
                  make_policy(policy, **(knobs or {})),
                  GatewayConfig(**{k: v for k, v in config.items() if k in gfields}))
-    gc.collect()
-    gc.freeze()
+    settle_heap()
     uvicorn.run(gw, host=host, port=port, log_level=log_level, access_log=False, lifespan="on")

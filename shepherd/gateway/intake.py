@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Awaitable, Callable, Optional
 
 from shepherd.routing import RouteRequest
@@ -40,6 +41,26 @@ async def read_json_object(receive, scope, parser: Parser, max_bytes: int, timeo
     if not isinstance(payload, dict):
         raise bad_request("request body must be a JSON object")
     return body, payload
+
+
+async def read_routed(receive, scope, parser: Parser, max_bytes: int, timeout: Optional[float], flag: str,
+                      kind: str, headers: dict,
+                      fill: Optional[Callable[[RouteRequest, dict, bool], Awaitable[None]]] = None
+                      ) -> Optional[tuple[bytes, RouteRequest, bool]]:
+    """(the body, what the policy sees of it, whether it streams) for a routed path: the body read
+    and parsed (read_json_object), then route_request_from, then `fill(route, parsed, is_chat)`
+    where the policy needs token ids. None when the client went away; Refusal (400, 408, 413) otherwise.
+    Only the bytes go on to the replica: the parsed body is let go here, not held while the
+    request is relayed (ten chats of 43,000 messages relayed at once kept ~430,000 objects alive
+    for every collection of the gateway's heap to walk)."""
+    got = await read_json_object(receive, scope, parser, max_bytes, timeout, flag)
+    if got is None:
+        return None
+    body, payload = got
+    route = route_request_from(payload, kind, headers, time.monotonic())
+    if fill is not None:
+        await fill(route, payload, kind == "chat")
+    return body, route, payload.get("stream") is True
 
 
 async def send_metrics(send, registry) -> None:

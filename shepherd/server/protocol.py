@@ -16,6 +16,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+# OpenAI's (and Azure OpenAI's) own limit on a chat's messages. Checked before the messages are
+# validated: a 1.2 MB chat of 43,000 empty messages took ~190 ms of validation alone, holding the
+# GIL; refused at its 2,049th message, ~5 ms (in process).
+MAX_CHAT_MESSAGES = 2048
+
+
+def at_most_messages(v, what: str = "messages"):
+    """A field validator's body (mode="before"): a list longer than MAX_CHAT_MESSAGES is refused
+    before one item is validated, with a message that names the limit (pydantic's own check
+    validates the first 2,049 first, and its words name the union's every branch)."""
+    if isinstance(v, list) and len(v) > MAX_CHAT_MESSAGES:
+        raise ValueError(f"at most {MAX_CHAT_MESSAGES} {what}, got {len(v)}")
+    return v
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
@@ -281,7 +294,7 @@ class ChatMessage(RequestModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_CHAT_MESSAGES)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -289,6 +302,11 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[Tool]] = Field(None, max_length=128)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, v):
+        return at_most_messages(v)
 
     def logprob_entries(self, prompt_tokens: int, out_tokens: int) -> int:
         return out_tokens * ((self.top_logprobs or 0) + 1) if self.logprobs else 0
@@ -314,10 +332,15 @@ class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1, max_length=MAX_CHAT_MESSAGES)
     add_special_tokens: Optional[bool] = None    # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, v):
+        return at_most_messages(v)
 
     @model_validator(mode="after")
     def _one(self):

@@ -25,16 +25,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from shepherd.server import tools
 from shepherd.server.common import APIError, AbortingStreamingResponse, validation_message
 from shepherd.server.engine_io import collect, release, sse_events, until_disconnect
-from shepherd.server.protocol import ChatCompletionRequest, RequestModel
+from shepherd.server.protocol import MAX_CHAT_MESSAGES, ChatCompletionRequest, RequestModel, at_most_messages
 from shepherd.server.workpool import MESSAGE_COST
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -43,7 +43,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 class ResponsesRequest(RequestModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     model: Optional[str] = None
-    input: Union[str, list[dict[str, Any]]]
+    input: Union[str, Annotated[list[dict[str, Any]], Field(max_length=MAX_CHAT_MESSAGES)]]   # items: chat messages
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
@@ -58,6 +58,11 @@ class ResponsesRequest(RequestModel):
     store: Optional[bool] = None
     previous_response_id: Optional[str] = None
     seed: Optional[int] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v):
+        return at_most_messages(v, "input items")
 
 
 def _bad(message: str, param: str) -> APIError:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import logging
 import dataclasses
-import gc
 import os
 import socket
 import sys
@@ -317,9 +316,6 @@ def build_engine(args, eng_cfg: EngineConfig):
     return engine
 
 
-FULL_GC_AFTER = 1000      # collections of the middle generation between two of the oldest (CPython's: 10)
-
-
 def main(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -339,6 +335,7 @@ def main(args) -> int:
         return EXIT_CONFIG
 
     import uvicorn
+    from shepherd.server.guard import settle_heap
     from shepherd.server.openai_api import build_app
 
     app = build_app(engine, srv_cfg)
@@ -354,18 +351,7 @@ def main(args) -> int:
         server.should_exit = True
 
     engine.on_dead = on_dead
-    # The startup heap (~267,000 objects: app, tokenizer, models) is never garbage, yet every
-    # collection of the oldest generation walked it, ~145 ms with the event loop (every stream,
-    # /health) waiting. Frozen, the collector walks only what serving allocates (vLLM's API server
-    # does the same; the engine core freezes its own). That is still every body in flight: ten
-    # 1.2 MB chats of 43,000 messages each are ~1M objects, and the full collections their
-    # allocations set off held the loop for up to 0.18 s. So the oldest generation is collected
-    # after FULL_GC_AFTER younger collections instead of 10 (the young ones, which find the
-    # cycles serving makes, run as before): 0.051 s (stall_attacks.py, docs/SERVING.md).
-    gc.collect()
-    gc.freeze()
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, FULL_GC_AFTER)
+    settle_heap()       # the startup heap frozen, full collections rare: guard.settle_heap
     try:
         server.run()
     except OSError as e:  # e.g. the port is taken
