@@ -528,3 +528,133 @@ def test_a_local_ray_is_never_asked_for_more_cpus_than_it_has(argv, have, per, e
     ray_cli.fit_local(opts, have, chosen=args.num_cpus_per_replica is not None)
     assert opts.num_cpus_per_replica == per
     assert opts.replicas * per + opts.ingress_replicas * opts.ingress_num_cpus <= have
+
+
+
+@pytest.fixture
+def ray_serve_cli(monkeypatch):
+    """`shepherd ray-serve ARGV` up to the point where it would start Ray: deploy() and Ray's
+    clean-up calls are recorded, not run, so no test starts a cluster. run(argv) -> exit status;
+    `calls` holds what reached deploy() and the clean-up; set calls["raise"] for deploy() to raise."""
+    import signal
+
+    import ray
+    from ray import serve
+
+    import shepherd.deploy.ray_serve as ray_serve
+    from shepherd.cli import build_parser
+    from shepherd.deploy import ray_cli
+    calls: dict = {"deploy": [], "cleanup": [], "raise": None}
+
+    def deploy(opts, args, **where):
+        calls["deploy"].append(opts)
+        if calls["raise"] is not None:
+            raise calls["raise"]
+        return None
+
+    monkeypatch.setattr(ray_serve, "deploy", deploy)
+    monkeypatch.setattr(serve, "delete", lambda name: calls["cleanup"].append("delete"))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls["cleanup"].append("shutdown"))
+    monkeypatch.setattr(signal, "signal", lambda *a: None)      # the command's handlers stay out of pytest
+
+    def run(argv: list) -> int:
+        args = build_parser().parse_args(["ray-serve", "--executor", "sim", *argv])
+        if calls["raise"] is None:
+            calls["raise"] = SystemExit(99)         # what got past the checks goes no further
+        try:
+            return ray_cli.main(args)
+        except SystemExit as e:
+            return e.code
+    run.calls = calls
+    return run
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--num-cpus", "nan"], "--num-cpus must be > 0 and <= 65536 CPUs, got nan"),
+    (["--num-cpus", "inf"], "--num-cpus must be > 0"),                                  # a traceback
+    (["--num-cpus", "0"], "--num-cpus must be > 0"),
+    (["--num-cpus-per-replica", "nan"], "--num-cpus-per-replica must be >= 0"),
+    (["--min-replicas", "-1"], "--min-replicas must be >= 0, got -1"),
+    (["--min-replicas", "1", "--target-ongoing-requests", "nan"], "--target-ongoing-requests must be > 0"),
+    (["--min-replicas", "1", "--upscale-delay", "-1"], "--upscale-delay must be >= 0 seconds, got -1.0"),
+    (["--min-replicas", "1", "--downscale-delay", "nan"], "--downscale-delay must be >= 0 seconds"),
+    (["--max-ongoing-requests", "0"], "--max-ongoing-requests must be >= 1, got 0"),     # fell back unsaid
+    (["--max-ongoing-requests", "-1"], "--max-ongoing-requests must be >= 1"),
+    (["--max-queued-requests", "0"], r"--max-queued-requests must be -1 \(no limit\) or >= 1, got 0"),
+    (["--max-queued-requests", "-2"], "--max-queued-requests must be -1"),
+    (["--ingress-replicas", "0"], "--ingress-replicas must be >= 1, got 0"),
+    (["--ingress-replicas", "-1"], "--ingress-replicas must be >= 1"),
+    (["--read-timeout", "nan"], "--read-timeout must be > 0 seconds, got nan"),
+    (["--routing-stats-period", "0"], "--routing-stats-period must be > 0 seconds, got 0.0"),
+    (["--routing-stats-period", "nan"], "--routing-stats-period must be > 0 seconds"),
+    (["--target-ongoing-requests", "-3"], "--target-ongoing-requests must be > 0"),        # ignored before
+    (["--address", "127.0.0.1:1", "--num-cpus", "2"], "--num-cpus sizes the Ray that --address local starts"),
+    (["--route-prefix", "api"], "--route-prefix must start with '/'"),
+    (["--route-prefix", "/api/"], "got '/api/'"),
+    (["--app-name", ""], "--app-name must be non-empty and without '#'"),
+    (["--app-name", "a#b"], "--app-name must be non-empty and without '#', got 'a#b'"),
+    (["--address", "nonsense"], "--address must be local, auto, HOST:PORT or ray://HOST"),
+])
+def test_ray_serve_refuses_a_bad_flag_in_one_line_before_ray_starts(ray_serve_cli, capsys, argv, error):
+    # each of these reached Ray: refused there after it started, as a traceback or a many-line
+    # pydantic error (--upscale-delay -1, --ingress-replicas -1, --route-prefix api), or taken
+    # without a word (--max-ongoing-requests 0 became --max-concurrency, --downscale-delay without
+    # autoscaling did nothing)
+    import re
+    assert ray_serve_cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shepherd ray-serve: error: ") and "\n" not in err, err
+    assert re.search(error, err), err
+    assert ray_serve_cli.calls["deploy"] == [] and ray_serve_cli.calls["cleanup"] == []
+
+
+def test_ray_serve_autoscaling_flags_apply_only_with_autoscaling(ray_serve_cli, capsys):
+    # without --min/--max-replicas they were taken and ignored: a fixed deployment the user
+    # believed would scale
+    assert ray_serve_cli(["--downscale-delay", "10", "--target-ongoing-requests", "4"]) == 2
+    assert capsys.readouterr().err == ("shepherd ray-serve: error: --target-ongoing-requests, --downscale-delay "
+                                       "apply only with autoscaling: give --min-replicas and/or --max-replicas "
+                                       "too\n")
+    assert ray_serve_cli.calls["deploy"] == []
+    # with autoscaling they go through, and so do Ray's own values: -1 queued is "no limit", 0
+    # replicas an autoscaling deployment that starts from none
+    assert ray_serve_cli(["--min-replicas", "0", "--max-replicas", "2", "--replicas", "0",
+                          "--target-ongoing-requests", "4", "--upscale-delay", "0",
+                          "--max-queued-requests", "-1"]) == 99
+    opts = ray_serve_cli.calls["deploy"][0]
+    assert (opts.target_ongoing_requests, opts.upscale_delay_s, opts.downscale_delay_s) == (4.0, 0.0, 600.0)
+    assert opts.max_queued_requests == -1
+
+
+def test_ray_serve_refuses_an_address_where_nothing_listens_within_seconds(ray_serve_cli, capsys):
+    # Ray retried 127.0.0.1:1 for ~160 s, then `finally` started a local Ray to delete the app from
+    import time
+    t0 = time.monotonic()
+    assert ray_serve_cli(["--address", "127.0.0.1:1"]) == 2
+    assert time.monotonic() - t0 < 10
+    err = capsys.readouterr().err
+    assert "--address 127.0.0.1:1: nothing answers at 127.0.0.1:1" in err and err.count("\n") == 1, err
+    assert ray_serve_cli.calls["deploy"] == []
+
+
+def test_ray_serve_refuses_a_taken_port_before_ray_starts(ray_serve_cli, capsys):
+    # Ray's HTTP proxy failed to bind after Ray had started: a RayTaskError traceback, exit 1
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert ray_serve_cli(["--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"shepherd ray-serve: error: cannot listen on 127.0.0.1 port {port}" in err, err
+    assert ray_serve_cli.calls["deploy"] == []
+
+
+def test_ray_serve_a_cluster_that_is_not_there_is_one_line_and_no_local_ray(ray_serve_cli, capsys):
+    # `--address auto` with no cluster, or a ray:// address that answers TCP but not Ray: a
+    # ConnectionError traceback, and the clean-up's serve.delete() started a local Ray to delete from
+    ray_serve_cli.calls["raise"] = ConnectionError("ray client connection timeout")
+    assert ray_serve_cli(["--address", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert err == "shepherd ray-serve: error: --address auto: ray client connection timeout\n", err
+    assert ray_serve_cli.calls["cleanup"] == []

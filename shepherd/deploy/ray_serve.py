@@ -91,6 +91,11 @@ class RayServeOptions:
             raise ValueError(f"--router-knob applies to shepherd's policies, not {self.router}")
         if self.ingress.retries < 0 or self.ingress.read_timeout <= 0:
             raise ValueError("--retries must be >= 0 and --read-timeout > 0")
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
+            raise ValueError(f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}")
+        # Ray's own values: -1 is no limit, 0 is refused (here it fell back to --max-queue unsaid)
+        if self.max_queued_requests is not None and self.max_queued_requests < 1 and self.max_queued_requests != -1:
+            raise ValueError(f"--max-queued-requests must be -1 (no limit) or >= 1, got {self.max_queued_requests}")
 
 
 def _router_config(opts: RayServeOptions) -> Any:
@@ -126,8 +131,8 @@ def build_app(opts: RayServeOptions, serve_args: "list[str] | argparse.Namespace
         name=opts.replica_name,
         ray_actor_options={"num_cpus": opts.num_cpus_per_replica,
                            **({"resources": dict(opts.replica_resources)} if opts.replica_resources else {})},
-        max_ongoing_requests=opts.max_ongoing_requests or args.max_concurrency,
-        max_queued_requests=opts.max_queued_requests or args.max_queue,
+        max_ongoing_requests=args.max_concurrency if opts.max_ongoing_requests is None else opts.max_ongoing_requests,
+        max_queued_requests=args.max_queue if opts.max_queued_requests is None else opts.max_queued_requests,
         request_router_config=_router_config(opts), health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=opts.health_check_timeout_s, graceful_shutdown_timeout_s=10.0, **_scaling(opts))
     # a policy that reads KV events: the replicas publish them, the ingress tokenizes the prompts
