@@ -530,7 +530,6 @@ def test_a_local_ray_is_never_asked_for_more_cpus_than_it_has(argv, have, per, e
     assert opts.replicas * per + opts.ingress_replicas * opts.ingress_num_cpus <= have
 
 
-
 @pytest.fixture
 def ray_serve_cli(monkeypatch):
     """`shepherd ray-serve ARGV` up to the point where it would start Ray: deploy() and Ray's
