@@ -979,3 +979,21 @@ def test_a_chat_has_at_most_openais_2048_messages(client, route, body, what):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     r = client.post(route, json=body([one] * 2049))
     assert r.status_code == 400 and r.json()["error"]["message"].endswith(f"at most 2048 {what}, got 2049"), r.text
+
+
+def test_every_answer_names_its_request_id(client):
+    """X-Request-Id on every answer, refusals and streams included: the client's own when it sent
+    one (a gateway or a tracing client), else a fresh id, as vLLM's --enable-request-id-headers."""
+    msgs = [{"role": "user", "content": "x"}]
+    ok = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2},
+                     headers={"X-Request-Id": "trace-42"})
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "trace-42"
+    with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True},
+                       headers={"x-request-id": "s-1"}) as r:
+        assert r.headers["x-request-id"] == "s-1" and "[DONE]" in r.read().decode()
+    bad = client.post("/v1/completions", content=b"{not json", headers={"X-Request-Id": "bad-1"})
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "bad-1"
+    a, b = (client.get("/health").headers["x-request-id"] for _ in range(2))
+    assert a != b and len(a) == 32 and int(a, 16) >= 0          # fresh, uuid4 hex
+    long = client.get("/health", headers={"X-Request-Id": "z" * 300}).headers["x-request-id"]
+    assert len(long) == 32

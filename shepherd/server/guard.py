@@ -29,6 +29,7 @@ import hmac
 import json
 import logging
 import re
+import uuid
 from typing import Any, Optional
 
 import numpy as np      # at import, not on the first deep body: ~0.11 s under the event loop
@@ -273,6 +274,23 @@ async def json_500_on_error(handler, scope, receive, send, who: str, log) -> Non
             await answer(send, 500, json.dumps(body).encode())
 
 
+MAX_REQUEST_ID = 256      # bytes of a client's X-Request-Id echoed back; a longer one is replaced
+
+
+def with_request_id(scope, send):
+    """`send` that puts X-Request-Id on the answer: the client's own (what a gateway or a tracing
+    client sent), else a fresh uuid4 hex, as vLLM's --enable-request-id-headers does. On every
+    answer, refusals included, so a client can name any request it made when it reports one."""
+    given = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"), b"")
+    rid = given if 0 < len(given) <= MAX_REQUEST_ID else uuid.uuid4().hex.encode()
+
+    async def send_with_id(msg):
+        if msg["type"] == "http.response.start":
+            msg = {**msg, "headers": [*msg.get("headers", ()), (b"x-request-id", rid)]}
+        await send(msg)
+    return send_with_id
+
+
 class BodyGuard:
     """ASGI middleware of `shepherd serve`: steps 1-3 of the module doc for every POST
     (step 1 for every request); the parsed body goes on in scope["shepherd.json"]."""
@@ -289,6 +307,7 @@ class BodyGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        send = with_request_id(scope, send)
         try:
             if scope["path"] not in OPEN_PATHS:
                 refused = key_error(scope, self.api_key)
