@@ -29,14 +29,14 @@ def check_ranges(args, rows) -> None:
     """The commands' numeric flags, checked before anything runs (simulate, bench, gateway, epp,
     calibrate). rows: (attribute, lowest, highest, strict[, unit]): a flag whose value is not None
     must lie in the range (above `lowest` when strict, else from it). NaN fails every comparison,
-    so it is refused too. ValueError names the flag: `--page-size must be >= 1, got 0`."""
+    so it is refused too. ConfigError (a ValueError) names the flag: `--page-size must be >= 1, got 0`."""
     for name, lo, hi, strict, *unit in rows:
         v = getattr(args, name, None)
         if v is None:
             continue
         if not ((v > lo if strict else v >= lo) and v <= hi):
             where = (f"> {lo:g}" if strict else f">= {lo:g}") + (f" and <= {hi:g}" if hi != INF else "")
-            raise ValueError(f"--{name.replace('_', '-')} must be {where}{''.join(' ' + u for u in unit)}, got {v}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be {where}{''.join(' ' + u for u in unit)}, got {v}")
 
 
 @dataclass

@@ -614,6 +614,9 @@ def test_gateway_and_epp_refuse_out_of_range_flags(capsys, cmd, flags, msg):
     (["--backend", "http://:80"], "has no host"),
     (["--backend", "x:1", "--read-timeout", "0"], "--read-timeout must be > 0 seconds"),
     (["--backend", "x:1", "--metrics-interval", "-1"], "--metrics-interval must be >= 0 seconds"),
+    # NaN passed the `<= 0` comparisons these had
+    (["--backend", "x:1", "--body-timeout", "nan"], "--body-timeout must be > 0 seconds, got nan"),
+    (["--backend", "x:1", "--stall-timeout", "nan"], "--stall-timeout must be > 0 seconds, got nan"),
 ])
 def test_gateway_refuses_a_bad_backend_url_or_timeout(capsys, flags, msg):
     from shepherd.cli import main

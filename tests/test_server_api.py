@@ -783,6 +783,9 @@ def test_serve_config_errors_exit_2(args, needle):
     (["--policy", "fcfs", "--max-queue", "0"], "max_queue must be >= 1"),
     (["--speculative-config", '{"method": "draft_model", "model": "/no/such/draft.gguf"}'],
      "draft model path '/no/such/draft.gguf' does not exist"),
+    # NaN passed the `<= 0` comparisons these had
+    (["--body-timeout", "nan"], "--body-timeout must be > 0 seconds, got nan"),
+    (["--grammar-timeout", "nan"], "--grammar-timeout must be > 0 seconds, got nan"),
 ])
 def test_scheduler_knobs_are_checked_before_anything_loads(args, needle):
     # build_configs runs before the engine is built; a scheduler knob it let through was reported

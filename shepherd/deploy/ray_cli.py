@@ -135,10 +135,7 @@ def fit_local(opts, have: float, chosen: bool) -> None:
 def check_flags(args: argparse.Namespace) -> None:
     """The Ray flags that need no Ray: ranges, the address's form, the route prefix and the
     application name, each refused here rather than by Ray after it started. Raises ConfigError."""
-    try:
-        check_ranges(args, RAY_RANGES)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_ranges(args, RAY_RANGES)
     autoscaling = args.min_replicas is not None or args.max_replicas is not None
     given = [f"--{name.replace('_', '-')}" for name in AUTOSCALING_FLAGS if getattr(args, name) is not None]
     if given and not autoscaling:

@@ -19,7 +19,7 @@ from typing import Optional
 
 from shepherd.config import INF, check_ranges
 from shepherd.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
-from shepherd.server.serve_cli import add_door_flags, add_flags, check_listen, check_port
+from shepherd.server.serve_cli import DOOR_RANGES, add_door_flags, add_flags, check_listen, check_port
 
 EXIT_CONFIG = 2
 
@@ -89,12 +89,9 @@ def build_gateway(args: argparse.Namespace):
     from shepherd.gateway.kv_routing import KVRouting
     check_port(args.port)
     policy = policy_from_args(args)
-    for name in ("retries", "fail_threshold", "success_threshold"):
-        if getattr(args, name) < (0 if name == "retries" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
-    if args.max_body_bytes < 1024 or args.body_timeout <= 0 or args.stall_timeout <= 0:
-        raise ValueError("--max-body-bytes must be >= 1024, --body-timeout and --stall-timeout > 0")
-    check_ranges(args, INTERVALS)
+    check_ranges(args, DOOR_RANGES + INTERVALS + [("retries", 0, INF, False), ("fail_threshold", 1, INF, False),
+                                                  ("success_threshold", 1, INF, False),
+                                                  ("stall_timeout", 0, INF, True, "seconds")])
     health = HealthConfig(fail_threshold=args.fail_threshold, success_threshold=args.success_threshold,
                           health_interval=args.health_interval, metrics_interval=args.metrics_interval,
                           stall_timeout=args.stall_timeout)

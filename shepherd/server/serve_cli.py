@@ -13,9 +13,9 @@ import socket
 import sys
 from typing import Optional
 
-from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
+from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, INF, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
                              ConfigError, EngineConfig, KVEventsConfig, LoraConfig, SchedulerConfig, ServerConfig,
-                             SERVE_PREFILL_MS, SpeculativeConfig)
+                             SERVE_PREFILL_MS, SpeculativeConfig, check_ranges)
 
 EXIT_CONFIG = 2
 
@@ -26,6 +26,11 @@ def add_flags(group, rows) -> None:
     for flag, typ, default, text in rows:
         group.add_argument(flag, type=typ, default=default,
                            help=text if "default" in text else f"{text} (default %(default)s)")
+
+
+# the door flags' ranges (config.check_ranges), for serve and the gateway alike: a NaN body timeout
+# passed the comparisons they had (`<= 0`)
+DOOR_RANGES = [("max_body_bytes", 1024, INF, False, "bytes"), ("body_timeout", 0, INF, True, "seconds")]
 
 
 def add_door_flags(group, port: int, body_default, body_timeout: float, log_level: str) -> None:
@@ -262,12 +267,9 @@ def build_configs(args) -> tuple[EngineConfig, ServerConfig]:
                 template = f.read()
         except OSError as e:
             raise ConfigError(f"--chat-template: cannot read {args.chat_template!r}: {e}") from None
-    if (args.max_body_bytes is not None and args.max_body_bytes < 1024) or args.max_json_depth < 4:
-        raise ConfigError("--max-body-bytes must be >= 1024 and --max-json-depth >= 4")
-    if args.body_timeout <= 0 or args.grammar_timeout <= 0 or args.max_grammar_bytes < 64:
-        raise ConfigError("--body-timeout and --grammar-timeout must be > 0, --max-grammar-bytes >= 64")
-    if args.max_logprob_entries < 1:
-        raise ConfigError("--max-logprob-entries must be >= 1")
+    check_ranges(args, DOOR_RANGES + [("max_json_depth", 4, INF, False), ("grammar_timeout", 0, INF, True, "seconds"),
+                                      ("max_grammar_bytes", 64, INF, False, "bytes"),
+                                      ("max_logprob_entries", 1, INF, False)])
     srv = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                        served_model_name=args.served_model_name, chat_template=template,
                        tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_body_bytes,
