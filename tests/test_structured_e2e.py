@@ -19,6 +19,10 @@ pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "city": {"type": "string", "maxLength": 24}}}
+# Room for any of these schemas to close: the grammar bounds the text, but a sampled path through
+# non-Latin text spends up to 4 byte-tokens a character (CI once cut a PERSON at 80 tokens inside
+# Japanese), and sampled paths differ between CPUs, so a seed alone does not keep it short.
+ROOM = 320
 ITEMS = {"type": "object", "additionalProperties": False, "required": ["items"],
          "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3,
                                   "items": {"type": "string", "maxLength": 16}}}}
@@ -68,7 +72,7 @@ def test_json_schema_outputs_validate_for_20_prompts_batched_with_free_requests(
     async def one(i, p):
         fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schemas[i % 3], "strict": True}}
         return await oc.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": p}],
-                                                max_tokens=80, temperature=0.7, seed=i, response_format=fmt)
+                                                max_tokens=ROOM, temperature=0.7, seed=i, response_format=fmt)
 
     async def free():
         return await oc.chat.completions.create(model=engine.model_name, max_tokens=20, temperature=0,
@@ -90,12 +94,13 @@ def test_structured_outputs_in_stream_with_n_2_and_vllm_spellings(served):
     async def go():
         stream = await oc.chat.completions.create(
             model=engine.model_name, messages=[{"role": "user", "content": "Describe a person."}], n=2,
-            max_tokens=80, temperature=0.8, stream=True,
+            max_tokens=ROOM, temperature=0.8, seed=5, stream=True,
             response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
-        texts = ["", ""]
+        texts, ends = ["", ""], [None, None]
         async for ch in stream:
             for c in ch.choices:
                 texts[c.index] += c.delta.content or ""
+                ends[c.index] = c.finish_reason or ends[c.index]
         regex = await http.post("/v1/completions", json={"prompt": "Phone:", "max_tokens": 20, "temperature": 0,
                                                          "structured_outputs": {"regex": r"\d{3}-\d{4}"}})
         choice = await http.post("/v1/completions", json={"prompt": "Is the sky blue?", "max_tokens": 5,
@@ -103,9 +108,10 @@ def test_structured_outputs_in_stream_with_n_2_and_vllm_spellings(served):
         obj = await http.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "Give me JSON."}], "max_tokens": 60,
             "response_format": {"type": "json_object"}})
-        return texts, regex.json(), choice.json(), obj.json()
+        return texts, ends, regex.json(), choice.json(), obj.json()
 
-    texts, regex, choice, obj = run(served, go())
+    texts, ends, regex, choice, obj = run(served, go())
+    assert ends == ["stop", "stop"], texts
     for t in texts:
         jsonschema.validate(json.loads(t), PERSON)
     import re
@@ -236,7 +242,7 @@ def test_structured_output_survives_recompute_preemption():
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s",
                                          timeout=300) as h:
                 reqs = [h.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": p}], "max_tokens": 90, "temperature": 0.9,
+                    "messages": [{"role": "user", "content": p}], "max_tokens": ROOM, "temperature": 0.9,
                     "seed": i, "response_format": {"type": "json_schema",
                                                    "json_schema": {"name": "x", "schema": PERSON}}})
                     for i, p in enumerate(PROMPTS[:8])]
