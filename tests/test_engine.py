@@ -137,6 +137,23 @@ def test_max_tokens_length(tok):
     run(main())
 
 
+def test_an_id_in_flight_is_refused_and_free_again_once_its_request_ends(tok):
+    """A second request under a live id would take the first one's outputs: refused at submit."""
+    async def main():
+        engine, _ = make_engine(tok)
+        await engine.start()
+        try:
+            first = engine.submit(tok.encode("x"), SamplingParams(max_tokens=5), req_id="r1")
+            with pytest.raises(ValueError, match="r1"):
+                engine.submit(tok.encode("y"), SamplingParams(max_tokens=2), req_id="r1")
+            assert (await collect(await first))[-1].completion_tokens == 5
+            again = await collect(await engine.submit(tok.encode("y"), SamplingParams(max_tokens=2), req_id="r1"))
+            assert again[-1].completion_tokens == 2
+        finally:
+            await engine.stop()
+    run(main())
+
+
 @pytest.mark.parametrize("stop,expected", [
     ("world, th", "Hello "),              # spans three tokens
     ("s a te", "Hello world, this i"),    # starts and ends mid-token

@@ -100,6 +100,20 @@ def test_models_and_health_through_gateway(stack):
     assert httpx.get(g + "/health", timeout=5).json()["healthy_backends"] == 2
 
 
+def test_one_request_id_from_the_client_through_the_gateway_to_the_replica_and_back(stack):
+    """The gateway gives a request with no X-Request-Id one and forwards it, so the replica's answer
+    id, the header the client gets and the gateway's own refusals all name the same request once."""
+    g = stack["gateway"]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    given = httpx.post(g + "/v1/chat/completions", json=body, headers={"X-Request-Id": "t-7"}, timeout=60)
+    assert given.headers.get_list("x-request-id") == ["t-7"] and given.json()["id"] == "chatcmpl-t-7"
+    minted = httpx.post(g + "/v1/chat/completions", json=body, timeout=60)
+    ids = minted.headers.get_list("x-request-id")
+    assert len(ids) == 1 and minted.json()["id"] == f"chatcmpl-{ids[0]}"
+    refused = httpx.post(g + "/v1/chat/completions", content=b"{not json", timeout=60)
+    assert refused.status_code == 400 and len(refused.headers.get_list("x-request-id")) == 1
+
+
 def test_prefix_aware_keeps_a_shared_prefix_on_one_replica(stack):
     g = stack["gateway"]
     served = []

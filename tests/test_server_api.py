@@ -991,12 +991,36 @@ def test_every_answer_names_its_request_id(client):
     ok = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2},
                      headers={"X-Request-Id": "trace-42"})
     assert ok.status_code == 200 and ok.headers["x-request-id"] == "trace-42"
+    assert ok.json()["id"] == "chatcmpl-trace-42"                # the answer's id follows it, as vLLM's
     with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True},
                        headers={"x-request-id": "s-1"}) as r:
-        assert r.headers["x-request-id"] == "s-1" and "[DONE]" in r.read().decode()
+        text = r.read().decode()
+        assert r.headers["x-request-id"] == "s-1" and "[DONE]" in text
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert chunks and {c["id"] for c in chunks} == {"cmpl-s-1"}
+    plain = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert plain.json()["id"] == "cmpl-" + plain.headers["x-request-id"]
     bad = client.post("/v1/completions", content=b"{not json", headers={"X-Request-Id": "bad-1"})
     assert bad.status_code == 400 and bad.headers["x-request-id"] == "bad-1"
     a, b = (client.get("/health").headers["x-request-id"] for _ in range(2))
     assert a != b and len(a) == 32 and int(a, 16) >= 0          # fresh, uuid4 hex
     long = client.get("/health", headers={"X-Request-Id": "z" * 300}).headers["x-request-id"]
     assert len(long) == 32
+    odd = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                      headers={"X-Request-Id": "caf\u00e9".encode()})       # not printable ASCII: replaced
+    assert odd.status_code == 200 and len(odd.headers["x-request-id"]) == 32
+
+
+def test_requests_that_reuse_an_x_request_id_both_get_their_own_answer(client):
+    """A client may send one X-Request-Id twice (a retry, a fan-out): the engine's own ids stay
+    unique, so neither request takes the other's tokens or is lost."""
+    import concurrent.futures
+    bodies = [{"prompt": "x", "max_tokens": n, "temperature": 0} for n in (3, 7)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda b: client.post("/v1/completions", json=b, headers={"X-Request-Id": "same"}),
+                            bodies))
+    alone = [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+    assert [r.status_code for r in got] == [200, 200]
+    assert [r.json()["id"] for r in got] == ["cmpl-same", "cmpl-same"]
+    assert [r.json()["choices"][0]["text"] for r in got] == alone
+    assert [r.json()["usage"]["completion_tokens"] for r in got] == [3, 7]

@@ -135,7 +135,8 @@ class EngineFront:
 
         Returns a RequestStream at once; `await` it to learn whether the scheduler
         accepted the request (raises QueueFull, RequestRejected, EngineDeadError),
-        then iterate it. Raises EngineDeadError right away if the engine is not running.
+        then iterate it. Raises EngineDeadError right away if the engine is not running,
+        ValueError if `req_id` names a request still in flight.
         adapter: the name of a loaded LoRA adapter to run with (None: the base model).
         backlog: shared by the streams of one streamed answer: past its limit of unsent output
         the answer's requests are cut (output.Backlog)."""
@@ -145,6 +146,9 @@ class EngineFront:
         if not self._running:
             raise EngineDeadError("engine is not running")
         req_id = req_id or self.new_request_id()
+        if req_id in self.outputs.tracks:
+            # a second stream under a live id would take the first one's outputs
+            raise ValueError(f"request id {req_id!r} is in flight already")
         req = Request(req_id=req_id, prompt_ids=list(prompt_ids), params=params, arrival=time.monotonic(),
                       client=client or "default", priority=int(priority or 0),
                       eos_token_ids=self.eos_token_ids, adapter=adapter)

@@ -50,7 +50,7 @@ from shepherd.gateway.intake import (error_body, read_routed, send_json,
 from shepherd.gateway.kv_routing import KVRouting
 from shepherd.gateway.proxy import Proxy
 from shepherd.routing import RoutingPolicy
-from shepherd.server.guard import Parser, Refusal, front_cap, json_500_on_error, key_error
+from shepherd.server.guard import Parser, Refusal, front_cap, json_500_on_error, key_error, with_request_id
 
 log = logging.getLogger("shepherd.gateway")
 
@@ -150,7 +150,7 @@ class Gateway:
     async def __call__(self, scope, receive, send) -> None:
         t = scope["type"]
         if t == "http":
-            await json_500_on_error(self._http, scope, receive, send, "gateway", log)
+            await json_500_on_error(self._http, scope, receive, with_request_id(scope, send), "gateway", log)
         elif t == "lifespan":
             await self._lifespan(receive, send)
 

@@ -275,20 +275,38 @@ async def json_500_on_error(handler, scope, receive, send, who: str, log) -> Non
 
 
 MAX_REQUEST_ID = 256      # bytes of a client's X-Request-Id echoed back; a longer one is replaced
+SCOPE_REQUEST_ID = "shepherd.request_id"
+_PRINTABLE = re.compile(rb"[\x20-\x7e]+")
 
 
 def with_request_id(scope, send):
     """`send` that puts X-Request-Id on the answer: the client's own (what a gateway or a tracing
-    client sent), else a fresh uuid4 hex, as vLLM's --enable-request-id-headers does. On every
-    answer, refusals included, so a client can name any request it made when it reports one."""
-    given = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"), b"")
-    rid = given if 0 < len(given) <= MAX_REQUEST_ID else uuid.uuid4().hex.encode()
+    client sent; printable ASCII, since it is also the answer's id), else a fresh uuid4 hex, as
+    vLLM's --enable-request-id-headers does. On every answer, refusals included, so a client can
+    name any request it made when it reports one. The id goes in the scope for `request_id_of`,
+    and in its headers in place of the client's, so a gateway forwards the one it answers with
+    (the replica's answer, relayed, then carries it already and it is not added twice)."""
+    headers = scope["headers"]
+    given = next((v for k, v in headers if k.lower() == b"x-request-id"), b"")
+    ok = len(given) <= MAX_REQUEST_ID and _PRINTABLE.fullmatch(given)
+    rid = given if ok else uuid.uuid4().hex.encode()
+    scope[SCOPE_REQUEST_ID] = rid.decode("ascii")
+    if not ok:
+        scope["headers"] = [(k, v) for k, v in headers if k.lower() != b"x-request-id"] + [(b"x-request-id", rid)]
 
     async def send_with_id(msg):
         if msg["type"] == "http.response.start":
-            msg = {**msg, "headers": [*msg.get("headers", ()), (b"x-request-id", rid)]}
+            out = msg.get("headers", ())
+            if not any(k.lower() == b"x-request-id" for k, _ in out):
+                msg = {**msg, "headers": [*out, (b"x-request-id", rid)]}
         await send(msg)
     return send_with_id
+
+
+def request_id_of(request: Request) -> str:
+    """The request's id as X-Request-Id names it; the answer's own id is built on it ("cmpl-<id>"),
+    as vLLM's, so a client's trace id finds the answer in its logs and in the body alike."""
+    return request.scope.get(SCOPE_REQUEST_ID) or uuid.uuid4().hex
 
 
 class BodyGuard:

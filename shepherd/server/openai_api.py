@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager
 from typing import Optional
 
@@ -46,7 +45,7 @@ from shepherd.server.common import (APIError, TokenStrings, error_response, json
 from shepherd.server.completions_api import CompletionRoutes
 from shepherd.server.engine_io import too_many_logprobs
 from shepherd.server.grammar_check import GrammarCheck
-from shepherd.server.guard import BODY_CAP_HEADER, BodyGuard, JsonRoute
+from shepherd.server.guard import BODY_CAP_HEADER, BodyGuard, JsonRoute, request_id_of
 from shepherd.server.limits import Limits
 from shepherd.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
                                      UnloadLoraAdapterRequest)
@@ -404,12 +403,12 @@ def build_app(engine: Engine, server_cfg: Optional[ServerConfig] = None) -> Fast
     @app.post("/v1/completions")
     async def create_completion(request: Request, body: CompletionRequest):
         ctx.check(body)
-        return await completions.handle(request, body, f"cmpl-{uuid.uuid4().hex}")
+        return await completions.handle(request, body, f"cmpl-{request_id_of(request)}")
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request, body: ChatCompletionRequest):
         ctx.check(body)
-        return await chat.handle(request, body, f"chatcmpl-{uuid.uuid4().hex}")
+        return await chat.handle(request, body, f"chatcmpl-{request_id_of(request)}")
 
     @app.post("/v1/responses")
     async def create_response(request: Request, body: ResponsesRequest):

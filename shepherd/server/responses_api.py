@@ -34,6 +34,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from shepherd.server import tools
 from shepherd.server.common import APIError, AbortingStreamingResponse, validation_message
 from shepherd.server.engine_io import collect, release, sse_events, until_disconnect
+from shepherd.server.guard import request_id_of
 from shepherd.server.protocol import MAX_CHAT_MESSAGES, ChatCompletionRequest, RequestModel, at_most_messages
 from shepherd.server.workpool import MESSAGE_COST
 
@@ -187,7 +188,7 @@ class ResponsesRoutes:
         # their count, done in the work thread once there are many (as the chat route's template)
         items = 1 if isinstance(body.input, str) else len(body.input)
         chat = await self.ctx.work.run(to_chat, body, cost=MESSAGE_COST * items)
-        rid = f"resp_{uuid.uuid4().hex}"
+        rid = f"resp_{request_id_of(request)}"
         streams, meta = await self.chat.submit(request, chat, rid)
         shell = Shell(self.ctx, body, chat, rid, meta)
         if body.stream:
