@@ -657,3 +657,14 @@ def test_ray_serve_a_cluster_that_is_not_there_is_one_line_and_no_local_ray(ray_
     err = capsys.readouterr().err
     assert err == "shepherd ray-serve: error: --address auto: ray client connection timeout\n", err
     assert ray_serve_cli.calls["cleanup"] == []
+
+
+@pytest.mark.parametrize("kw", [{"ingress": IngressConfig(read_timeout=float("nan"))},
+                                {"num_cpus_per_replica": float("nan")}, {"ingress_num_cpus": float("nan")},
+                                {"min_replicas": 1, "target_ongoing_requests": float("nan")}])
+def test_library_options_refuse_nan_as_the_cli_does(kw):
+    """RayServeOptions.validate is the check for callers of the library (the CLI's ranges run first
+    on its own path): NaN fails every comparison, so "x <= 0" let it through to Ray."""
+    from shepherd.deploy.ray_serve import RayServeOptions
+    with pytest.raises(ValueError):
+        RayServeOptions(**kw).validate()

@@ -75,7 +75,8 @@ class RayServeOptions:
         """ValueError with a clear message on a bad option (before anything is deployed)."""
         if self.replicas < (0 if self.autoscaling else 1):
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        if self.num_cpus_per_replica < 0 or self.ingress_num_cpus < 0:
+        # written as "not (x >= bound)" so that NaN, which fails every comparison, is refused too
+        if not (self.num_cpus_per_replica >= 0 and self.ingress_num_cpus >= 0):
             raise ValueError("CPU reservations must be >= 0")
         if self.autoscaling:
             lo = self.min_replicas if self.min_replicas is not None else 1
@@ -83,13 +84,13 @@ class RayServeOptions:
             if not 0 <= lo <= hi or hi < 1 or not lo <= self.replicas <= hi:
                 raise ValueError(f"need 0 <= --min-replicas <= --replicas <= --max-replicas, max >= 1; got "
                                  f"{lo} <= {self.replicas} <= {hi}")
-            if self.target_ongoing_requests <= 0:
+            if not self.target_ongoing_requests > 0:
                 raise ValueError("--target-ongoing-requests must be > 0")
         if self.router not in RAY_ROUTERS:
             make_policy(self.router, **self.router_knobs)        # raises ValueError on a bad name or knob
         elif self.router_knobs:
             raise ValueError(f"--router-knob applies to shepherd's policies, not {self.router}")
-        if self.ingress.retries < 0 or self.ingress.read_timeout <= 0:
+        if self.ingress.retries < 0 or not self.ingress.read_timeout > 0:
             raise ValueError("--retries must be >= 0 and --read-timeout > 0")
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
             raise ValueError(f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}")
