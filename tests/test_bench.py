@@ -209,7 +209,7 @@ def test_a_rate_that_is_not_positive_is_refused_before_anything_is_sent(server, 
     (["--max-concurrency", "-1"], "--max-concurrency must be >= 1"),
     (["--limit", "-1"], "--limit must be >= 0"),                  # "Stop argument for islice()"
     (["--input-len", "uniform:5:1"], "bad length distribution 'uniform:5:1'"),  # "empty range for randrange()"
-    (["--input-len", "1000000000000"], "lengths up to 10,000,000"),           # hung building the prompt
+    (["--input-len", "1000000000000"], "lengths 1..10,000,000"),           # hung building the prompt
     (["--tokenizer", "/nonexist"], "--tokenizer /nonexist: "),               # ModelNotFoundError traceback
 ])
 def test_bad_flags_are_refused_before_anything_is_sent(server, tmp_path, capsys, flags, msg):
@@ -339,11 +339,26 @@ def test_synthetic_arrivals_and_dists():
     m2 = sum(g2) / len(g2)
     assert (sum((g - m2) ** 2 for g in g2) / len(g2)) ** 0.5 / m2 > 1.5  # burstier
     assert loadgen.arrival_times(3, float("inf"), 1.0, rng) == [0.0, 0.0, 0.0]
-    for spec in ("64", "uniform:10:20", "normal:50:5", "exp:30", "lognormal:100:0.5"):
-        f = loadgen.parse_dist(spec)
-        assert all(v >= 1 for v in (f(rng) for _ in range(100)))
-    with pytest.raises(ValueError):
-        loadgen.parse_dist("zipf:3")
+
+
+
+@pytest.mark.parametrize("spec,lo,hi", [("64", 64, 64), ("fixed:64", 64, 64), ("uniform:10:20", 10, 20),
+                                        ("u:10:20", 10, 20), ("normal:50:5", 1, 100), ("exp:30", 1, 10 ** 4),
+                                        ("lognormal:100:0.5", 1, 10 ** 4), ("zipf:1.2:50", 1, 50)])
+def test_bench_and_simulate_read_one_set_of_length_spellings(spec, lo, hi):
+    """shepherd bench once had its own parser (no zipf, no fixed:N, no trace:FILE) beside the
+    simulator's (no N, no exp): one spec now means the same on both commands."""
+    reqs = loadgen.synthetic(200, input_len=spec, output_len=spec, seed=1)
+    assert all(lo <= r.prompt_tokens <= hi and lo <= r.output_tokens <= hi for r in reqs)
+    from shepherd.bench.synthetic import ClientSpec, SyntheticSpec, synthetic
+    sim = synthetic(SyntheticSpec(clients=[ClientSpec(input_len=spec, output_len=spec)], num_requests=50))
+    assert all(lo <= r.prompt_tokens <= hi for r in sim)
+
+
+@pytest.mark.parametrize("spec", ["zipf:3", "uniform:5:1", "0", "exp:1e30", "nan", "lognormal:x:1"])
+def test_bench_refuses_a_bad_length_spec_naming_the_forms(spec):
+    with pytest.raises(ValueError, match="bad length distribution.*trace:FILE"):
+        loadgen.synthetic(3, input_len=spec)
 
 
 def test_prompt_lengths_with_real_tokenizer():

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--num-requests", type=int, default=100)
     s.add_argument("--input-len", default="256",
                    help="prompt tokens after any shared prefix: N, uniform:LO:HI, normal:MEAN:STD, exp:MEAN, "
-                        "lognormal:MEAN:SIGMA (default 256)")
+                        "lognormal:MEAN:SIGMA, zipf:A:MAX, trace:FILE (as shepherd simulate's; default 256)")
     s.add_argument("--output-len", default="128", help="output tokens (max_tokens), same forms (default 128)")
     s.add_argument("--shared-prefix", type=int, default=0,
                    help="N tokens of system prompt shared by every request (added to --input-len)")

@@ -31,6 +31,7 @@ import httpx
 from shepherd.bench.metrics_poll import MetricsPoller, auth_headers, parse_prometheus  # noqa: F401 (re-exported)
 from shepherd.bench.prompts import BuiltPrompt
 from shepherd.bench.records import RequestRecord, TraceRequest
+from shepherd.bench.synthetic import LengthDist
 
 
 @dataclass
@@ -421,42 +422,6 @@ _COUNTERS = {
 }
 
 
-def parse_dist(spec: str | int | float):
-    """A length distribution: "256" (fixed), "uniform:LO:HI", "normal:MEAN:STD",
-    "exp:MEAN", "lognormal:MEAN:SIGMA". Returns rng -> int >= 1."""
-    from shepherd.bench.trace_formats import MAX_TRACE_TOKENS
-    s = str(spec).strip().lower()
-    parts = s.split(":")
-    kind = parts[0]
-    try:
-        # lengths (and means) in 1..MAX_TRACE_TOKENS: a 1e12-token prompt hung bench building it
-        if len(parts) == 1:
-            v = int(float(kind))
-            if not 1 <= v <= MAX_TRACE_TOKENS:
-                raise ValueError
-            return lambda rng: v
-        args = [float(x) for x in parts[1:]]
-        if not all(0 <= a <= MAX_TRACE_TOKENS for a in args):
-            raise ValueError
-        if kind in ("uniform", "u") and len(args) == 2:
-            lo, hi = int(args[0]), int(args[1])
-            if lo > hi:         # randint's own words: "empty range for randrange()"
-                raise ValueError
-            return lambda rng: max(1, rng.randint(lo, hi))
-        if kind in ("normal", "n") and len(args) == 2:
-            return lambda rng: max(1, int(round(rng.gauss(args[0], args[1]))))
-        if kind in ("exp", "exponential") and len(args) == 1:
-            return lambda rng: max(1, int(round(rng.expovariate(1.0 / args[0]))))
-        if kind == "lognormal" and len(args) == 2:
-            mean, sigma = args
-            mu = math.log(mean) - sigma * sigma / 2
-            return lambda rng: max(1, int(round(rng.lognormvariate(mu, sigma))))
-    except ValueError:
-        pass
-    raise ValueError(f"bad length distribution {spec!r}: use N, uniform:LO:HI (LO <= HI), normal:MEAN:STD, "
-                     "exp:MEAN or lognormal:MEAN:SIGMA, lengths up to 10,000,000")
-
-
 def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
     """Open-loop arrivals: gamma inter-arrival gaps with mean 1/rate and shape
     `burstiness` (1 = Poisson, <1 burstier, >1 smoother); rate inf = all at 0. A rate of 0, below
@@ -479,12 +444,12 @@ def synthetic(num_requests: int, rate: float = math.inf, burstiness: float = 1.0
               input_len: str = "256", output_len: str = "128", shared_prefix: int = 0,
               clients: int = 1, seed: int = 0) -> list[TraceRequest]:
     rng = random.Random(seed)
-    din, dout = parse_dist(input_len), parse_dist(output_len)
+    din, dout = LengthDist(input_len).sampler(rng, "input"), LengthDist(output_len).sampler(rng, "output")
     times = arrival_times(num_requests, rate, burstiness, rng)
     out = []
     for i, t in enumerate(times):
         out.append(TraceRequest(
-            arrival=t, prompt_tokens=shared_prefix + din(rng), output_tokens=dout(rng),
+            arrival=t, prompt_tokens=shared_prefix + din(), output_tokens=dout(),
             client=f"client-{i % clients}" if clients > 1 else "default",
             prefix_group="shared" if shared_prefix > 0 else None))
     return out

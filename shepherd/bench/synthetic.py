@@ -27,41 +27,48 @@ from shepherd.bench.trace_formats import MAX_TRACE_TOKENS, format_error, iter_fi
 
 @dataclass
 class LengthDist:
-    """A length distribution: 'fixed:N', 'uniform:A:B', 'normal:MEAN:STD',
-    'lognormal:MEAN:SIGMA' (mean of the distribution, sigma of the log), 'zipf:A:MAX',
-    or 'trace:FILE' (sample lengths from a trace; input or output chosen by use)."""
+    """A length distribution, the one spelling of `shepherd simulate` and `shepherd bench`:
+    'N' or 'fixed:N', 'uniform:A:B' ('u'), 'normal:MEAN:STD' ('n'), 'exp:MEAN', 'lognormal:MEAN:SIGMA'
+    (mean of the distribution, sigma of the log), 'zipf:A:MAX', or 'trace:FILE' (sample lengths
+    from a trace; input or output chosen by use). Draws are at least 1."""
     spec: str = "fixed:256"
 
     def sampler(self, rng: random.Random, which: str = "input"):
-        kind, *args = self.spec.split(":")
+        kind, *args = str(self.spec).strip().split(":")
+        kind = kind.lower()
         try:
-            if kind == "fixed":
-                n = _length(int(args[0]))
+            if not args:
+                kind, args = "fixed", [kind]
+            if kind == "fixed" and len(args) == 1:
+                n = _length(int(float(args[0])))
                 return lambda: n
-            if kind == "uniform":
-                a, b = _length(int(args[0])), _length(int(args[1]))
+            if kind in ("uniform", "u") and len(args) == 2:
+                a, b = _length(int(float(args[0]))), _length(int(float(args[1])))
                 if a > b:       # randint's own message: "empty range for randrange()"
                     raise ValueError
                 return lambda: rng.randint(a, b)
-            if kind == "normal":
+            if kind in ("normal", "n") and len(args) == 2:
                 mu, sd = _length(float(args[0])), float(args[1])
                 return lambda: max(1, int(round(rng.gauss(mu, sd))))
-            if kind == "lognormal":
+            if kind in ("exp", "exponential") and len(args) == 1:
+                mean = _length(float(args[0]))
+                return lambda: max(1, int(round(rng.expovariate(1.0 / mean))))
+            if kind == "lognormal" and len(args) == 2:
                 mean, sigma = _length(float(args[0])), float(args[1])
                 mu = math.log(mean) - sigma * sigma / 2
                 return lambda: max(1, int(round(rng.lognormvariate(mu, sigma))))
-            if kind == "zipf":
+            if kind == "zipf" and len(args) == 2:
                 a, mx = float(args[0]), _length(int(args[1]))
                 w = [1.0 / (k ** a) for k in range(1, mx + 1)]
                 cum = np.cumsum(w) / sum(w)
                 return lambda: int(np.searchsorted(cum, rng.random())) + 1
-            if kind == "trace":
+            if kind == "trace" and args:
                 vals = [r.prompt_tokens if which == "input" else r.output_tokens for r in iter_file(":".join(args))]
                 return lambda: rng.choice(vals)
-        except (IndexError, ValueError):
+        except (IndexError, ValueError, OverflowError):
             pass
-        raise ValueError(f"bad length distribution {self.spec!r} (fixed:N, uniform:A:B with A <= B, normal:M:S, "
-                         f"lognormal:MEAN:SIGMA, zipf:A:MAX, trace:FILE; lengths 1..{MAX_TRACE_TOKENS:,})")
+        raise ValueError(f"bad length distribution {self.spec!r} (N or fixed:N, uniform:A:B with A <= B, normal:M:S, "
+                         f"exp:MEAN, lognormal:MEAN:SIGMA, zipf:A:MAX, trace:FILE; lengths 1..{MAX_TRACE_TOKENS:,})")
 
 
 def _length(n):

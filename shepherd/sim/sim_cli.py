@@ -83,8 +83,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--clients", default=None, help="synthetic clients: 'a=1.5,b=3' (req/s each) or 'N@R'")
     w.add_argument("--num-requests", type=int, default=None, help="synthetic: number of requests")
     w.add_argument("--duration", type=float, default=None, help="synthetic: seconds of arrivals")
-    w.add_argument("--input-len", default="fixed:256", help="synthetic: fixed:N | uniform:A:B | lognormal:MEAN:SIGMA "
-                                                            "| normal:M:S | trace:FILE")
+    w.add_argument("--input-len", default="fixed:256", help="synthetic: N | uniform:A:B | lognormal:MEAN:SIGMA "
+                                                            "| normal:M:S | exp:MEAN | zipf:A:MAX | trace:FILE")
     w.add_argument("--output-len", default="fixed:256")
     w.add_argument("--arrival", choices=["poisson", "gamma", "constant"], default="poisson")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: CV of inter-arrival times")
