@@ -53,12 +53,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shepherd.deploy.ray_replica import REPLICA_HEADER
 from shepherd.deploy.ray_call import HttpCall, live_router
-from shepherd.gateway.intake import (error_body, read_routed, send_json,
+from shepherd.gateway.intake import (read_routed, send_json,
                                      send_metrics, split_headers, usage_tokens, watch_disconnect)
 from shepherd.gateway.kv_routing import PromptTokens
 from shepherd.routing import RouteRequest
-from shepherd.server.guard import (BODY_CAP_HEADER, DEFAULT_BODY_TIMEOUT, Parser, Refusal, body_cap_of, front_cap,
-                                   json_500_on_error, key_error, read_body, settle_heap)
+from shepherd.server.guard import (BODY_CAP_HEADER, DEFAULT_BODY_TIMEOUT, Parser, Refusal, body_cap_of, error_body,
+                                   front_cap, json_500_on_error, key_error, read_body, settle_heap)
 
 log = logging.getLogger("shepherd.deploy")
 
@@ -217,7 +217,7 @@ class IngressApp:
         m.errors.labels("no_replica").inc()
         m.requests.labels("503").inc()
         why = last.why if last is not None else "no replica"
-        await send_json(send, 503, error_body(f"no replica answered: {why}", "service_unavailable", 503),
+        await send_json(send, 503, error_body(f"no replica answered: {why}", "service_unavailable", code=503),
                         [(b"retry-after", str(self.cfg.retry_after_s).encode())])
 
     async def _attempt(self, send, call: HttpCall, timeout: float) -> _Outcome:
@@ -284,7 +284,7 @@ class IngressApp:
                 log.warning("replica failed mid-answer (%s): %s", call.path, e)
                 tail = b""
                 if sse:
-                    ev = error_body(f"replica failed mid-stream: {type(e).__name__}", "upstream_error", 502)
+                    ev = error_body(f"replica failed mid-stream: {type(e).__name__}", "upstream_error", code=502)
                     tail = b"data: " + json.dumps(ev).encode() + b"\n\n"
                 pending = [{"type": "http.response.body", "body": tail, "more_body": False}]
 
@@ -304,7 +304,7 @@ class IngressApp:
             return None
 
     def _busy_answer(self, why: str) -> tuple:
-        data = json.dumps(error_body(f"server busy: {why}", "rate_limit_exceeded", 429)).encode()
+        data = json.dumps(error_body(f"server busy: {why}", "rate_limit_exceeded", code=429)).encode()
         return (429, [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                       (b"retry-after", str(self.cfg.retry_after_s).encode())], data)
 

@@ -38,9 +38,10 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from shepherd.gateway.backends import BackendPool
-from shepherd.gateway.intake import error_body, route_request_from
+from shepherd.gateway.intake import route_request_from
 from shepherd.gateway.kv_routing import KVRouting
 from shepherd.routing import NoReplicaAvailable, ReplicaState, RouteRequest, RoutingPolicy
+from shepherd.server.guard import error_body
 
 log = logging.getLogger("shepherd.epp")
 
@@ -143,7 +144,7 @@ def _metadata(endpoint: str) -> struct_pb2.Struct:
 
 
 def unavailable_response(message: str) -> ep.ProcessingResponse:
-    body = json.dumps(error_body(message, "service_unavailable", 503)).encode()
+    body = json.dumps(error_body(message, "service_unavailable", code=503)).encode()
     hm = ep.HeaderMutation(set_headers=[
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")),
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="retry-after", raw_value=b"1"))])

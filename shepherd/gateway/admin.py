@@ -19,8 +19,8 @@ from typing import Callable, Optional
 from urllib.parse import parse_qs, urlsplit
 
 from shepherd.gateway.backends import BackendPool, normalize_url
-from shepherd.gateway.intake import error_body, send_json
-from shepherd.server.guard import Refusal, key_error, read_body
+from shepherd.gateway.intake import send_json
+from shepherd.server.guard import Refusal, error_body, key_error, read_body
 
 
 def _link_local(url: str) -> bool:

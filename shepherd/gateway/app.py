@@ -45,12 +45,13 @@ from shepherd.gateway.admin import Admin
 from shepherd.gateway.backends import Backend, BackendPool
 from shepherd.gateway.gw_metrics import GatewayMetrics
 from shepherd.gateway.http1 import Http1Pool
-from shepherd.gateway.intake import (error_body, read_routed, send_json,
+from shepherd.gateway.intake import (read_routed, send_json,
                                      send_metrics, split_headers, watch_disconnect)
 from shepherd.gateway.kv_routing import KVRouting
 from shepherd.gateway.proxy import Proxy
 from shepherd.routing import RoutingPolicy
-from shepherd.server.guard import Parser, Refusal, front_cap, json_500_on_error, key_error, with_request_id
+from shepherd.server.guard import (Parser, Refusal, error_body, front_cap, json_500_on_error, key_error,
+                                   with_request_id)
 
 log = logging.getLogger("shepherd.gateway")
 
@@ -224,7 +225,8 @@ class Gateway:
         card = next((m for m in data if m["id"] == model_id), None)
         if card is None:
             return await send_json(send, 404, error_body(f"The model `{model_id}` does not exist.",
-                                                         "invalid_request_error", "model_not_found", "model"))
+                                                         "invalid_request_error", code="model_not_found",
+                                                         param="model"))
         await send_json(send, 200, card)
 
     def _forward_headers(self, scope) -> tuple[list, dict]:

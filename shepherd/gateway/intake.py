@@ -18,10 +18,6 @@ DROP_REQUEST_HEADERS = {b"host", b"content-length", b"connection", b"keep-alive"
                         b"accept-encoding", b"expect"}
 
 
-def error_body(message: str, type_: str = "invalid_request_error", code=None, param=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 async def send_json(send, status: int, obj, headers: Optional[list] = None) -> None:
     await answer(send, status, json.dumps(obj).encode(), headers)
 

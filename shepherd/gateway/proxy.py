@@ -28,8 +28,9 @@ from typing import Optional
 
 from shepherd.gateway.backends import Backend
 from shepherd.gateway.http1 import Response, UpstreamError
-from shepherd.gateway.intake import error_body, send_json, usage_tokens
+from shepherd.gateway.intake import send_json, usage_tokens
 from shepherd.routing import NoReplicaAvailable, RouteRequest
+from shepherd.server.guard import error_body
 
 log = logging.getLogger("shepherd.gateway")
 
@@ -120,14 +121,14 @@ class Proxy:
                 m.errors.labels("overloaded").inc()
                 ra = max(1, int(min(full) + 0.999))
                 return await send_json(send, 429, error_body("every replica is full; retry later", "rate_limit_error",
-                                                             "rate_limit_exceeded"),
+                                                             code="rate_limit_exceeded"),
                                        [(b"retry-after", str(ra).encode())])
             m.errors.labels("no_backend").inc()
-            return await send_json(send, 503, error_body("no healthy backend", "service_unavailable", 503),
+            return await send_json(send, 503, error_body("no healthy backend", "service_unavailable", code=503),
                                    [(b"retry-after", b"1")])
         m.errors.labels("upstream").inc()
         status = 504 if last_error.startswith("timeout") else 502
-        await send_json(send, status, error_body(f"backend failed: {last_error}", "upstream_error", status), extra)
+        await send_json(send, status, error_body(f"backend failed: {last_error}", "upstream_error", code=status), extra)
 
     def _resp_headers(self, resp: Response, backend: Backend, attempts: list) -> list:
         out = [(k, v) for k, v in resp.headers_raw if k.decode("latin-1").lower() not in _DROP_RESP]
@@ -184,7 +185,7 @@ class Proxy:
             try:
                 data = await resp.read()
             except UpstreamError:
-                data = json.dumps(error_body(f"backend answered {status}", "upstream_error", status)).encode()
+                data = json.dumps(error_body(f"backend answered {status}", "upstream_error", code=status)).encode()
             if status == 429:
                 self.full_until[backend.url] = time.monotonic() + retry_after(resp)
             return _Try(False, f"overloaded: HTTP {status} from {backend.url}",
@@ -242,7 +243,7 @@ class Proxy:
             if e.kind != "timeout":
                 pool.record_failure(backend, f"{e.kind}: {e} mid-stream")
             gw.metrics.errors.labels("stream_error").inc()
-            ev = error_body(f"backend {backend.url} failed mid-stream: {e}", "upstream_error", 502)
+            ev = error_body(f"backend {backend.url} failed mid-stream: {e}", "upstream_error", code=502)
             await send({"type": "http.response.body",
                         "body": b"data: " + json.dumps(ev).encode() + b"\n\n" + DONE, "more_body": True})
             return n, True

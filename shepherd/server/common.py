@@ -6,6 +6,8 @@ from typing import Iterator, Optional, Union
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from shepherd.server.guard import error_body
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
@@ -16,15 +18,10 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[Union[str, int]] = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: Optional[str] = None, code: Optional[Union[str, int]] = None,
                    headers: Optional[dict] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, type_, param=param, code=code), status_code=status, headers=headers)
 
 
 def validation_message(errors) -> tuple[str, Optional[str]]:

@@ -12,7 +12,8 @@ from fastapi import Request
 
 from shepherd.engine.engine import EngineDeadError, EngineOutput, QueueFull, RequestRejected, RequestStream
 from shepherd.engine.output import Backlog, logprob_entries
-from shepherd.server.common import APIError, error_body
+from shepherd.server.common import APIError
+from shepherd.server.guard import error_body
 
 
 def release(streams: list[RequestStream]) -> None:

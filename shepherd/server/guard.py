@@ -59,6 +59,14 @@ _SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _NOT_SKELETON = bytes(b for b in range(256) if b not in b'"[]{}')     # all but quotes and brackets
 
 
+def error_body(message: str, type_: str = "invalid_request_error", *, param: Optional[str] = None,
+               code: Optional[str | int] = None) -> dict:
+    """The OpenAI error body every answer of shepherd's uses: serve, the gateway, the Ray ingress,
+    the endpoint picker. param and code by keyword: two builders with the two in opposite orders
+    once sat side by side."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 class Refusal(Exception):
     """An answer the door gives instead of the app: status, OpenAI-style error body."""
 
@@ -68,7 +76,7 @@ class Refusal(Exception):
         self.status, self.message, self.code, self.type, self.param = status, message, code, type_, param
 
     def payload(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, param=self.param, code=self.code)
 
     def body(self) -> bytes:
         return json.dumps(self.payload()).encode()
@@ -269,8 +277,7 @@ async def json_500_on_error(handler, scope, receive, send, who: str, log) -> Non
     except Exception as e:  # noqa: BLE001 - the point of this function
         log.exception("%s error", who)
         if not started:
-            body = {"error": {"message": f"{who} error: {type(e).__name__}", "type": "server_error",
-                              "param": None, "code": 500}}
+            body = error_body(f"{who} error: {type(e).__name__}", "server_error", code=500)
             await answer(send, 500, json.dumps(body).encode())
 
 
