@@ -137,6 +137,24 @@ def test_max_tokens_length(tok):
     run(main())
 
 
+def test_a_reply_cut_inside_a_character_ends_before_it(tok):
+    """max_tokens falls between the tokens of one character: the answer ends on the text before
+    it (a JSON string cut there no longer ends in U+FFFD); the token still counts."""
+    script = tok.encode("caf\u00e9 \U0001F600 fin")
+    cut = next(k for k in range(1, len(script)) if tok.decode(script[:k]).endswith("\ufffd"))
+
+    async def main():
+        engine, _ = make_engine(tok, script=script)
+        await engine.start()
+        try:
+            outs = await collect(await engine.submit(tok.encode("x"), SamplingParams(max_tokens=cut)))
+            assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == cut
+            assert joined(outs) == tok.decode(script[:cut])[:-1] and "\ufffd" not in joined(outs)
+        finally:
+            await engine.stop()
+    run(main())
+
+
 def test_an_id_in_flight_is_refused_and_free_again_once_its_request_ends(tok):
     """A second request under a live id would take the first one's outputs: refused at submit."""
     async def main():

@@ -301,12 +301,17 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Emit whatever is held back (an incomplete character decodes as U+FFFD)."""
+        """Emit whatever is held back, at the request's end, less a last character the tokens left
+        incomplete (it decodes as U+FFFD): a reply cut by max_tokens in the middle of a character
+        then ends on the characters before it, a prefix of what the model was writing, as vLLM's
+        decode stream leaves it (a JSON string cut there read as "...\ufffd" before)."""
         if self.read_offset >= len(self.ids):
             return ""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         delta = new_text[len(prefix_text):] if new_text.startswith(prefix_text) else new_text
+        if delta.endswith("\ufffd"):
+            delta = delta[:-1]
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
