@@ -100,6 +100,12 @@ def test_bench_real_server(shepherd_url, tmp_path):
         assert r["token_times"] == sorted(r["token_times"])
     # the shared 32-token system prompt was served from the prefix cache at least once
     assert sum(r["cached_tokens"] for r in recs) > 0
+    # and the server's own side, read from its /metrics during the run (the poller's names had been
+    # left in another module: every poll raised NameError, swallowed, and the summary had none)
+    assert summ["kv_capacity_tokens"] == 4096 and 0 < summ["kv_peak_used_tokens"] <= 4096
+    assert 0 < summ["prefix_hit_rate"] <= 1
+    server = json.loads((out / "timeseries.json").read_text())["server"]
+    assert server["t"] and "running" in server and "kv_used" in server
 
 
 @pytest.mark.timeout(300)

@@ -405,23 +405,6 @@ async def run_load(requests: Sequence[BenchRequest], cfg: LoadConfig) -> LoadRes
     return res
 
 
-# -- server-side metrics ------------------------------------------------------
-
-_GAUGES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:num_requests_swapped": "swapped",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:gpu_cache_usage_perc": "kv_usage",
-}
-_COUNTERS = {
-    "vllm:num_preemptions_total": "preemptions",
-    "vllm:num_preemptions": "preemptions",
-    "vllm:prefix_cache_queries_total": "prefix_queries",
-    "vllm:prefix_cache_hits_total": "prefix_hits",
-}
-
-
 def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
     """Open-loop arrivals: gamma inter-arrival gaps with mean 1/rate and shape
     `burstiness` (1 = Poisson, <1 burstier, >1 smoother); rate inf = all at 0. A rate of 0, below

@@ -24,6 +24,22 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+# the vLLM names shepherd serve exports too (and vLLM's older spellings)
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_swapped": "swapped",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+}
+_COUNTERS = {
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:num_preemptions": "preemptions",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+}
+
+
 class MetricsPoller:
     """Polls the server's /metrics once a second; gives up quietly if there is none."""
 
@@ -80,7 +96,7 @@ class MetricsPoller:
                     misses = 0
                 else:
                     misses += 1
-            except Exception:  # noqa: BLE001 - metrics are optional
+            except httpx.HTTPError:     # metrics are optional; a bug in reading them is not swallowed
                 misses += 1
             if misses >= 3:
                 return
