@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -202,6 +203,10 @@ def p99(xs: list) -> float:
 
 async def window(url: str, model: str, attack, repeat: int, max_tokens: int, timeout: float, pool,
                  settle: float = 0.0, streams: int = 0, stream_url: str = "", rss_pid: int = 0) -> dict:
+    # this process measures: a full collection of its own (openai, httpx and pydantic bring ~100k
+    # objects) stalled its poller and its stream alike, 92 ms once, and read as the server's stall
+    gc.collect()
+    gc.freeze()
     stop_evt = asyncio.Event()
     health, chunks, rss = [], [], []
     hp = asyncio.create_task(health_poller(url, stop_evt, health))
@@ -446,13 +451,6 @@ def main() -> None:
         import httpx
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         stream_url = replica_url(url) if args.stream_direct else ""
-        # a first window, not reported, pays the run's one-time costs (the first stream's first use of
-        # the client and of the server's paths): in the reported no-attack window they stalled this
-        # process's loop once by 60-100 ms, so the baseline read up to 3x the stream's usual longest gap
-        warm = asyncio.run(window(url, model, None, 0, args.max_tokens, args.timeout, pool, 0.0, args.streams,
-                                  stream_url))
-        print(f"(warm-up window, not reported: /health max {warm['health_max']:.3f} s, "
-              f"longest gap {warm['gap_max']:.3f} s)", flush=True)
         rows = [(None, asyncio.run(window(url, model, None, 0, args.max_tokens, args.timeout, pool, args.settle,
                                           args.streams, stream_url)))]
         print(table(rows, args.repeat, args.target), flush=True)
