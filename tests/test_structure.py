@@ -8,7 +8,10 @@
     API, e.g. torch's `ops.aten._weight_int8pack_mm` kernels, is the library's to keep);
   - no module that only re-exports (a package's __init__ naming the package's API aside);
   - the executor is typed by step.Executor: no getattr/hasattr probe of an executor, and
-    every class in shepherd/ that runs batches (defines `execute`) has every member of it.
+    every class in shepherd/ that runs batches (defines `execute`) has every member of it;
+  - every name a module reads is bound somewhere in it (imported, assigned, defined, a builtin):
+    a name left behind when code moves raises only when its line runs, and a broad `except`
+    may hide it (bench's metrics poller read none of the server's metrics for days so).
 
 Layers, bottom to top:
 
@@ -233,6 +236,35 @@ def _functions(tree: ast.AST, prefix: str = ""):
             yield from _functions(node, prefix + node.name + ".")
 
 
+def _unbound_names(tree: ast.AST) -> list[str]:
+    """Names read but bound nowhere in the module. Module-wide, not per scope: it finds a name that
+    is missing altogether, which is the slip a move leaves."""
+    import builtins
+    bound = set(dir(builtins)) | {"__file__", "__name__", "__doc__", "__spec__", "__path__"}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            bound.update(node.names)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            bound.add(node.name)
+    return sorted({f"{n.id} (line {n.lineno})" for n in ast.walk(tree)
+                   if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound})
+
+
+def test_every_name_a_module_reads_is_bound_in_it():
+    bad = [f"{rel}: {b}" for rel, _, tree in _modules() for b in _unbound_names(tree)]
+    assert not bad, "names read but never bound (imported, assigned or defined):\n  " + "\n  ".join(bad)
+
+
 def test_no_upward_imports():
     bad = _upward()
     assert not bad, f"upward imports: {sorted(bad)}"
@@ -318,5 +350,7 @@ def test_the_checks_can_fail():
     assert [b.split(" ")[1] for b in _reach_ins("x.py", tree)] == ["s._b", "s.kv._e"]
     assert _only_reexports(ast.parse('"""doc"""\nfrom a import b\n__all__ = ["b"]\n'))
     assert not _only_reexports(ast.parse("from a import b\n\ndef f():\n    return b\n"))
+    left_behind = "import httpx\n\ndef take(m):\n    for k in _GAUGES:\n        m[k] = httpx\n    return [y for y in m]\n"
+    assert _unbound_names(ast.parse(left_behind)) == ["_GAUGES (line 4)"]
     tree = ast.parse("a = getattr(core.executor, 'lora', None)\nb = hasattr(ex, 'x')\nc = getattr(m, 'tiles')\n")
     assert [b.split(" ")[0] for b in _executor_probes("x.py", tree)] == ["x.py:1", "x.py:2"]
