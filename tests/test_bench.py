@@ -341,7 +341,6 @@ def test_synthetic_arrivals_and_dists():
     assert loadgen.arrival_times(3, float("inf"), 1.0, rng) == [0.0, 0.0, 0.0]
 
 
-
 @pytest.mark.parametrize("spec,lo,hi", [("64", 64, 64), ("fixed:64", 64, 64), ("uniform:10:20", 10, 20),
                                         ("u:10:20", 10, 20), ("normal:50:5", 1, 100), ("exp:30", 1, 10 ** 4),
                                         ("lognormal:100:0.5", 1, 10 ** 4), ("zipf:1.2:50", 1, 50)])

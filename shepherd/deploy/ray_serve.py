@@ -24,6 +24,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from shepherd.config import INF, check_ranges
 from shepherd.deploy.ray_ingress import IngressConfig, ShepherdIngress
 from shepherd.deploy.ray_replica import ShepherdReplica, parse_serve_args
 from shepherd.deploy.ray_router import ShepherdRouter
@@ -38,6 +39,12 @@ RAY_ROUTERS = {
     "ray-prefix-cache": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router."
                         "PrefixCacheAffinityRouter",
 }
+
+
+# (attribute, lowest, highest, strict[, unit]) of config.check_ranges, for RayServeOptions.validate
+OPTION_RANGES = [("num_cpus_per_replica", 0, INF, False, "CPUs"), ("ingress_num_cpus", 0, INF, False, "CPUs"),
+                 ("max_ongoing_requests", 1, INF, False)]
+INGRESS_RANGES = [("retries", 0, INF, False), ("read_timeout", 0, INF, True, "seconds")]
 
 
 @dataclass
@@ -75,25 +82,21 @@ class RayServeOptions:
         """ValueError with a clear message on a bad option (before anything is deployed)."""
         if self.replicas < (0 if self.autoscaling else 1):
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        # written as "not (x >= bound)" so that NaN, which fails every comparison, is refused too
-        if not (self.num_cpus_per_replica >= 0 and self.ingress_num_cpus >= 0):
-            raise ValueError("CPU reservations must be >= 0")
+        # config.check_ranges, the commands' one range check (NaN fails it too): the library path
+        # has no CLI in front of it
+        check_ranges(self, OPTION_RANGES)
+        check_ranges(self.ingress, INGRESS_RANGES)
         if self.autoscaling:
             lo = self.min_replicas if self.min_replicas is not None else 1
             hi = self.max_replicas if self.max_replicas is not None else max(lo, self.replicas)
             if not 0 <= lo <= hi or hi < 1 or not lo <= self.replicas <= hi:
                 raise ValueError(f"need 0 <= --min-replicas <= --replicas <= --max-replicas, max >= 1; got "
                                  f"{lo} <= {self.replicas} <= {hi}")
-            if not self.target_ongoing_requests > 0:
-                raise ValueError("--target-ongoing-requests must be > 0")
+            check_ranges(self, [("target_ongoing_requests", 0, INF, True)])
         if self.router not in RAY_ROUTERS:
             make_policy(self.router, **self.router_knobs)        # raises ValueError on a bad name or knob
         elif self.router_knobs:
             raise ValueError(f"--router-knob applies to shepherd's policies, not {self.router}")
-        if self.ingress.retries < 0 or not self.ingress.read_timeout > 0:
-            raise ValueError("--retries must be >= 0 and --read-timeout > 0")
-        if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
-            raise ValueError(f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}")
         # Ray's own values: -1 is no limit, 0 is refused (here it fell back to --max-queue unsaid)
         if self.max_queued_requests is not None and self.max_queued_requests < 1 and self.max_queued_requests != -1:
             raise ValueError(f"--max-queued-requests must be -1 (no limit) or >= 1, got {self.max_queued_requests}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import uuid
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -30,7 +29,7 @@ async def submit_all(engine, jobs: list, client: str, priority: int, prefix: str
     streams: list[RequestStream] = []
     backlog = Backlog(unsent_limit) if unsent_limit is not None else None
     # the engine's ids must be unique; the prefix carries the client's X-Request-Id, which it may reuse
-    prefix = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    prefix = engine.new_request_id(prefix)
     try:
         for k, (ids, params) in enumerate(jobs):
             streams.append(engine.submit(ids, params, req_id=f"{prefix}-{k}", client=client, priority=priority,
