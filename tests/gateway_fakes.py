@@ -195,10 +195,11 @@ def free_port() -> int:
 class ServerThread:
     """uvicorn serving an ASGI app in a background thread: `.start()` / `.stop()`, or `with`."""
 
-    def __init__(self, app, port: Optional[int] = None, lifespan: str = "on") -> None:
+    def __init__(self, app, port: Optional[int] = None, lifespan: str = "on", http="auto") -> None:
         self.app = app
         self.port = port or free_port()
         self.lifespan = lifespan
+        self.http = http        # uvicorn's HTTP protocol: a name or a class (server/http_head.py)
         self.server: Optional[uvicorn.Server] = None
         self.thread: Optional[threading.Thread] = None
 
@@ -208,7 +209,7 @@ class ServerThread:
 
     def start(self) -> "ServerThread":
         cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="critical",
-                             access_log=False, lifespan=self.lifespan, timeout_graceful_shutdown=1)
+                             access_log=False, lifespan=self.lifespan, timeout_graceful_shutdown=1, http=self.http)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

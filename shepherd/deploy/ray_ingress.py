@@ -235,7 +235,10 @@ class IngressApp:
             except (StopAsyncIteration, asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - any replica failure
                 return _Outcome(False, f"{type(e).__name__}: {e}"[:300])
             start, pending = batch[0], list(batch[1:])
-            status, headers = start["status"], list(start.get("headers") or [])
+            # Ray's proxy puts X-Request-Id on every answer it relays (the id it gave the request,
+            # which the replica's answer id is built on): the replica's own copy would be a second
+            headers = [h for h in start.get("headers") or () if h[0].lower() != b"x-request-id"]
+            status, start = start["status"], {**start, "headers": headers}
             if call.path == "/health":
                 self._learn_cap(batch)
             out.replica = _header(headers, REPLICA_HEADER)

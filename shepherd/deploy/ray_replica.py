@@ -30,6 +30,7 @@ from typing import AsyncIterator, Optional
 from shepherd.bench.loadgen import free_port
 from shepherd.deploy.ray_call import HttpCall
 from shepherd.server import serve_cli
+from shepherd.server.http_head import head_bounded
 
 log = logging.getLogger("shepherd.deploy")
 
@@ -136,7 +137,7 @@ class ShepherdReplica:
         import uvicorn
         host = ray.util.get_node_ip_address()
         server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=0, log_level="warning",
-                                               lifespan="off", access_log=False))
+                                               lifespan="off", access_log=False, http=head_bounded()))
         task = asyncio.ensure_future(server.serve())
         deadline = time.monotonic() + 30.0
         while not server.started:

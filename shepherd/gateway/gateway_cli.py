@@ -19,6 +19,7 @@ from typing import Optional
 
 from shepherd.config import INF, check_ranges
 from shepherd.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
+from shepherd.server.http_head import head_bounded
 from shepherd.server.serve_cli import DOOR_RANGES, add_door_flags, add_flags, check_listen, check_port
 
 EXIT_CONFIG = 2
@@ -131,29 +132,5 @@ def main(args: argparse.Namespace) -> int:
     from shepherd.server.guard import settle_heap
     settle_heap()       # as serve does: the startup heap frozen (its imports alone: ~40 ms a full collection)
     uvicorn.run(gw, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                lifespan="on", timeout_keep_alive=30)
+                lifespan="on", timeout_keep_alive=30, http=head_bounded(args.header_timeout))
     return 0
-
-
-def run_gateway(backends: list, policy: str = "least-request", host: str = "127.0.0.1", port: int = 8000,
-                knobs: Optional[dict] = None, log_level: str = "warning", **config) -> None:
-    """Serve a gateway in this process until it is stopped (for `shepherd serve
-    --replicas N`, which starts the replicas and then calls this).
-    `config`: GatewayConfig / HealthConfig fields by name."""
-    import dataclasses
-
-    import uvicorn
-
-    from shepherd.gateway.app import Gateway, GatewayConfig
-    from shepherd.gateway.backends import BackendPool, HealthConfig
-    from shepherd.server.guard import settle_heap
-    gfields = {f.name for f in dataclasses.fields(GatewayConfig)}
-    hfields = {f.name for f in dataclasses.fields(HealthConfig)}
-    unknown = set(config) - gfields - hfields
-    if unknown:
-        raise ValueError(f"unknown gateway settings: {', '.join(sorted(unknown))}")
-    gw = Gateway(BackendPool(backends, health=HealthConfig(**{k: v for k, v in config.items() if k in hfields})),
-                 make_policy(policy, **(knobs or {})),
-                 GatewayConfig(**{k: v for k, v in config.items() if k in gfields}))
-    settle_heap()
-    uvicorn.run(gw, host=host, port=port, log_level=log_level, access_log=False, lifespan="on")

@@ -13,6 +13,8 @@ import socket
 import sys
 from typing import Optional
 
+from shepherd.server.http_head import DEFAULT_HEAD_TIMEOUT, MAX_HEAD_BYTES, head_bounded
+
 from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, INF, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
                              ConfigError, EngineConfig, KVEventsConfig, LoraConfig, SchedulerConfig, ServerConfig,
                              SERVE_PREFILL_MS, SpeculativeConfig, check_ranges)
@@ -30,7 +32,8 @@ def add_flags(group, rows) -> None:
 
 # the door flags' ranges (config.check_ranges), for serve and the gateway alike: a NaN body timeout
 # passed the comparisons they had (`<= 0`)
-DOOR_RANGES = [("max_body_bytes", 1024, INF, False, "bytes"), ("body_timeout", 0, INF, True, "seconds")]
+DOOR_RANGES = [("max_body_bytes", 1024, INF, False, "bytes"), ("body_timeout", 0, INF, True, "seconds"),
+               ("header_timeout", 0, INF, True, "seconds")]
 
 
 def add_door_flags(group, port: int, body_default, body_timeout: float, log_level: str) -> None:
@@ -44,6 +47,9 @@ def add_door_flags(group, port: int, body_default, body_timeout: float, log_leve
         ("--max-body-bytes", int, body_default, "larger request bodies get 413 before they are read "
          "(serve's None: twice the characters of the longest prompt the context can hold, 1-64 MiB)"),
         ("--body-timeout", float, body_timeout, "seconds a request body may take to arrive; slower gets 408"),
+        ("--header-timeout", float, DEFAULT_HEAD_TIMEOUT,
+         "seconds a request's line and headers may take to arrive (from the connection, or the request's "
+         f"first byte on a kept-alive one); slower gets 408, larger than {MAX_HEAD_BYTES >> 10} KiB 431"),
     ])
     group.add_argument("--log-level", default=log_level, choices=["debug", "info", "warning", "error"])
 
@@ -345,7 +351,8 @@ def main(args) -> int:
              app.state.served_model_name, srv_cfg.host, srv_cfg.port, eng_cfg.executor, engine.kv_capacity,
              engine.max_model_len, ", API key required" if srv_cfg.api_key else "")
     config = uvicorn.Config(app, host=srv_cfg.host, port=srv_cfg.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+                            timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
+                            http=head_bounded(args.header_timeout))
     server = uvicorn.Server(config)
 
     def on_dead(reason: str) -> None:
