@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from shepherd.server.http_head import MAX_HEAD_BYTES, head_bounded
+from shepherd.server.http_head import LINGER_BYTES, MAX_HEAD_BYTES, head_bounded
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gateway_fakes import ServerThread  # noqa: E402
@@ -23,7 +23,11 @@ TIMEOUT = 1.0
 
 
 async def echo(scope, receive, send):
-    """Answers each request with the number of body bytes it read and its header bytes."""
+    """Answers each request with the number of body bytes it read and its header bytes; on
+    /refuse at once with 413, the body unread (as guard.read_body refuses from Content-Length)."""
+    if scope["path"] == "/refuse":
+        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
+        return await send({"type": "http.response.body", "body": b""})
     n = 0
     while True:
         msg = await receive()
@@ -153,3 +157,43 @@ def test_a_body_and_the_next_head_in_one_read_are_not_taken_for_a_long_head(serv
         first, second = s.answer(), s.answer()
     assert first[0] == 200 and json.loads(first[1])["body"] == len(body)
     assert second[0] == 200
+
+
+def send_until_cut(s: Conn, limit: int) -> int:
+    """Bytes of 64 KiB pieces sent before the server closed the connection (at most `limit`)."""
+    sent, chunk = 0, b"a" * (64 << 10)
+    try:
+        while sent < limit:
+            s.sendall(chunk)
+            sent += len(chunk)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return sent
+
+
+def test_trailers_that_never_end_are_cut(server):
+    """A chunked body's trailers are headers too: uvicorn read them without bound, after the head."""
+    with Conn(server) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-T: ")
+        sent = send_until_cut(s, 256 << 20)
+        assert s.answer() == (0, b"")
+    assert sent < (16 << 20), f"{sent} bytes of one trailer were taken"
+
+
+def test_the_rest_of_a_refused_body_is_read_within_bounds(server):
+    """Answered before its body was read, a request's rest is read and dropped (so a client that
+    sends it all before it reads, as httpx does, gets its answer), but not without end."""
+    body = b"b" * (8 << 20)
+    with Conn(server) as s:
+        s.sendall(b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert s.answer()[0] == 413
+        s.sendall(get())                # and the connection goes on
+        assert s.answer()[0] == 200
+    with Conn(server) as s:             # the rest trickles: closed once the timeout passes
+        s.sendall(b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nbb")
+        assert s.answer()[0] == 413
+        assert s.answer() == (0, b"")   # blocks until the server closes: TIMEOUT s
+    with Conn(server) as s:             # the rest never ends: closed past LINGER_BYTES
+        s.sendall(b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 40))
+        sent = send_until_cut(s, 4 << 30)
+    assert sent < LINGER_BYTES + (16 << 20), f"{sent} bytes of a refused body were read"

@@ -180,14 +180,20 @@ def post(url: str, path: str, body: bytes) -> int:
         return 413 if isinstance(e, (httpx.WriteError, httpx.RemoteProtocolError)) else -1
 
 
-def endless_head(url: str) -> int:
-    """A request whose one header never ends (64 MB sent as fast as the server takes it): 431 when
-    the server cut it within a few MB (its answer, or the reset that lost it), else its status."""
+ENDLESS_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: "
+# a chunked body's trailers are headers after the body
+ENDLESS_TRAILER = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n1e\r\n{\"prompt\":\"hi\",\"max_tokens\":2}\r\n0\r\nX-T: ")
+
+
+def endless(url: str, start: bytes) -> int:
+    """`start`, then one header that never ends (64 MB sent as fast as the server takes it): 431
+    when the server cut it within a few MB (its answer, or the reset that lost it), else its status."""
     host, port = url.rsplit("/", 1)[1].split(":")
     sent, chunk = 0, b"a" * (64 << 10)
     with socket.create_connection((host, int(port)), timeout=60) as s:
         try:
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: ")
+            s.sendall(start)
             while sent < (64 << 20):
                 s.sendall(chunk)
                 sent += len(chunk)
@@ -256,8 +262,9 @@ def test_no_attack_stalls_health_or_an_innocent_stream(stack, target):
 @pytest.mark.parametrize("target", ["replica", "gateway"])
 def test_a_head_that_never_ends_is_cut_and_stalls_nobody(stack, target):
     """Before server/http_head.py uvicorn read such a header whole, quadratically: 100 MB took 12 s
-    of the event loop (/health max 3.3 s) and was answered 200."""
-    check_attacks(stack[target], target, {"a header that never ends": endless_head})
+    of the event loop (/health max 3.3 s) and was answered 200; a 40 MB trailer 2 s (0.9 s)."""
+    check_attacks(stack[target], target, {"a header that never ends": lambda u: endless(u, ENDLESS_HEAD),
+                                          "a trailer that never ends": lambda u: endless(u, ENDLESS_TRAILER)})
 
 
 @pytest.mark.parametrize("target", ["replica", "gateway"])

@@ -1,26 +1,34 @@
-"""The head of every HTTP request (its line and headers), bounded in bytes and in time.
+"""What uvicorn reads of a request outside the app's sight, bounded in bytes and in time: its
+head (line and headers), a chunked body's trailers, and the rest of a request answered before
+it all arrived.
 
 uvicorn's httptools protocol, which it picks when httptools is installed (a
-dependency of shepherd, as of vLLM through uvicorn[standard]), reads a head
-with no bound of either kind, before any ASGI code (guard.py's door) runs:
+dependency of shepherd, as of vLLM through uvicorn[standard]), reads all
+three with no bound, before or after any ASGI code (guard.py's door) runs:
 - bytes: one 100 MB header was read whole and answered 200, and reading it
   is quadratic (the URL and each header value grow by concatenation), so one
-  connection held the server's event loop for seconds (docs/SERVING.md, "The
-  request's head");
+  connection held the server's event loop for seconds; a 40 MB trailer the
+  same (docs/SERVING.md, "The request's head");
 - time: a connection that sends nothing, or its head a byte a second, was
   held open for ever, one file descriptor each, until nobody else could
-  connect (slowloris).
+  connect (slowloris); so was one that trickles the rest of a refused body.
 
-`head_bounded(timeout)` is uvicorn's protocol class with both bounds:
+`head_bounded(timeout)` is uvicorn's protocol class with these bounds:
 - a head over MAX_HEAD_BYTES is answered 431 and the connection closed;
 - a head not complete `timeout` seconds after the connection opened (its
   first request) or after its first byte (a later request on a kept-alive
   connection; uvicorn's own keep-alive timeout bounds the wait before it) is
-  answered 408 and closed, or just closed when it sent nothing.
+  answered 408 and closed, or just closed when it sent nothing;
+- trailers over MAX_HEAD_BYTES close the connection (the request is under way);
+- the rest of a request answered early (a body refused from its
+  Content-Length, a missing key) is read and dropped, as HTTP/1.1 needs to
+  reach the next request and as a client that sends its whole body before
+  it reads needs to see the answer, for at most LINGER_BYTES and `timeout`
+  seconds; then the connection is closed.
 
-The ASGI app never sees these requests. h11, uvicorn's fallback without
-httptools, refuses heads over 16 KiB itself (400); there only the time bound
-is missing, and shepherd depends on httptools.
+The ASGI app never sees the refused heads. h11, uvicorn's fallback without
+httptools, refuses heads over 16 KiB itself (400); there the other bounds
+are missing, and shepherd depends on httptools.
 """
 from __future__ import annotations
 
@@ -29,6 +37,10 @@ from typing import Optional
 
 MAX_HEAD_BYTES = 64 << 10     # h11's limit is 16 KiB, Node's 16 KiB, nginx's 4 x 8 KiB lines
 DEFAULT_HEAD_TIMEOUT = 10.0
+# what is read and dropped of a request answered before it all arrived (a body refused from its
+# Content-Length): enough for a client that sends its whole body before it reads (httpx, the
+# openai client) to get its 413 with the largest --max-body-bytes' worth on top; past it, closed
+LINGER_BYTES = 256 << 20
 
 
 def _refusal_body(message: str, code: str) -> bytes:
@@ -63,38 +75,52 @@ def head_bounded(timeout: float = DEFAULT_HEAD_TIMEOUT, max_bytes: int = MAX_HEA
         await send({"type": "http.response.body", "body": large_body})
 
     class HeadBounded(HttpToolsProtocol):
-        # _in_head: a head's first byte is parsed and its last is not. While it is, _head_bytes
-        # counts the reads that began inside it, to stop a head that keeps coming (the read that
-        # starts it is not counted: a pipelined body before it would be); a head that completes is
-        # measured exactly (its URL, names and values), so none over the bound reaches the app
+        # What each count covers. _in_head: a head's first byte is parsed and its last is not;
+        # while it is, _head_bytes counts the reads that began inside it, to stop a head that
+        # keeps coming (the read that starts it is not counted: a pipelined body before it would
+        # be). A head that completes is measured exactly (its URL, names and values), so none over
+        # the bound reaches the app. _in_trailer: a chunk's size line is parsed and none of its
+        # data: after the last chunk (size 0) come the trailers, counted in _trailer_bytes the
+        # same way. _lingering: the request was answered before all of it arrived; what arrives
+        # after is dropped, counted in _linger_bytes.
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._in_head, self._head_bytes = False, 0
-            self._head_timer = self.loop.call_later(timeout, self._head_late)
+            self._in_head = self._in_trailer = self._in_message = self._lingering = False
+            self._head_bytes = self._trailer_bytes = self._linger_bytes = 0
+            self._timer = None
+            self._timer_on()
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
-            self._head_timer_off()
+            self._timer_off()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
                 return      # refused: what is still arriving is not parsed
-            was_in_head = self._in_head
+            head, trailer, linger = self._in_head, self._in_trailer, self._lingering
             super().data_received(data)
-            if was_in_head and self._in_head:
+            if head and self._in_head:
                 self._head_bytes += len(data)
                 if self._head_bytes > max_bytes:
                     self._refuse(too_large)
+            if trailer and self._in_trailer:
+                self._trailer_bytes += len(data)
+                if self._trailer_bytes > max_bytes:
+                    self._refuse(b"")       # the request is under way: closed under it
+            if linger and self._lingering:
+                self._linger_bytes += len(data)
+                if self._linger_bytes > LINGER_BYTES:
+                    self._refuse(b"")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._in_head, self._head_bytes = True, 0
-            if self._head_timer is None:    # a later request: from its first byte
-                self._head_timer = self.loop.call_later(timeout, self._head_late)
+            self._in_head, self._head_bytes, self._trailer_bytes = True, 0, 0
+            if self._timer is None:    # a later request: from its first byte
+                self._timer_on()
 
         def on_headers_complete(self) -> None:
-            self._in_head = False
-            self._head_timer_off()
+            self._in_head, self._in_message = False, True
+            self._timer_off()
             if len(self.url) + sum(len(k) + len(v) for k, v in self.headers) <= max_bytes:
                 return super().on_headers_complete()
             # the URL replaced too: httptools' URL parser refuses one over 64 KiB (uvicorn's plain-text 400)
@@ -104,23 +130,53 @@ def head_bounded(timeout: float = DEFAULT_HEAD_TIMEOUT, max_bytes: int = MAX_HEA
             finally:
                 self.app = app
 
-        def _head_timer_off(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+        def on_chunk_header(self) -> None:      # httptools calls it when the protocol has it
+            self._in_trailer = True
 
-        def _head_late(self) -> None:
-            self._head_timer = None
-            if self._in_head:
-                self._refuse(too_slow)
-            elif self.cycle is None and not self.transport.is_closing():
-                self.transport.close()      # connected and sent nothing
+        def on_body(self, body: bytes) -> None:
+            self._in_trailer = False
+            super().on_body(body)
+
+        def on_chunk_complete(self) -> None:
+            self._in_trailer = False
+
+        def on_message_complete(self) -> None:
+            answered = self._lingering
+            self._in_message = self._in_trailer = self._lingering = False
+            self._timer_off()
+            super().on_message_complete()
+            if answered:            # idle now, and uvicorn's keep-alive timer was spent on the rest
+                self._timer_on()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._in_message and not self.transport.is_closing():
+                # answered before the request was all read (a refused body): the rest is read and
+                # dropped, as an HTTP/1.1 server must to reach the next request, but not for ever
+                self._lingering, self._linger_bytes = True, 0
+                self._timer_off()
+                self._timer_on()
+
+        def _timer_on(self) -> None:
+            self._timer = self.loop.call_later(timeout, self._late)
+
+        def _timer_off(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _late(self) -> None:
+            # a head too slow (408), or a connection that sent nothing, or the rest of an answered
+            # request too slow (closed)
+            self._timer = None
+            self._refuse(too_slow if self._in_head else b"")
 
         def _refuse(self, answer: bytes) -> None:
-            self._in_head = False
-            self._head_timer_off()
+            self._in_head = self._in_trailer = self._lingering = False
+            self._timer_off()
             if not self.transport.is_closing():
-                self.transport.write(answer)
+                if answer:
+                    self.transport.write(answer)
                 self.transport.close()
 
     return HeadBounded

@@ -49,7 +49,8 @@ def add_door_flags(group, port: int, body_default, body_timeout: float, log_leve
         ("--body-timeout", float, body_timeout, "seconds a request body may take to arrive; slower gets 408"),
         ("--header-timeout", float, DEFAULT_HEAD_TIMEOUT,
          "seconds a request's line and headers may take to arrive (from the connection, or the request's "
-         f"first byte on a kept-alive one); slower gets 408, larger than {MAX_HEAD_BYTES >> 10} KiB 431"),
+         f"first byte on a kept-alive one); slower gets 408, larger than {MAX_HEAD_BYTES >> 10} KiB 431. "
+         "Also how long the rest of a request answered before it all arrived is read"),
     ])
     group.add_argument("--log-level", default=log_level, choices=["debug", "info", "warning", "error"])
 
