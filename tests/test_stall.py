@@ -267,39 +267,33 @@ def test_a_head_that_never_ends_is_cut_and_stalls_nobody(stack, target):
                                           "a trailer that never ends": lambda u: endless(u, ENDLESS_TRAILER)})
 
 
+def trickled_get_408(url: str, start: bytes, silent: int = 0) -> None:
+    """Three connections send `start` and no more, `silent` ones nothing at all; a request beside
+    them is served, then each of the three gets 408 and each silent one is closed unanswered."""
+    port = int(url.rsplit(":", 1)[1])
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(3)]
+    quiet = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(silent)]
+    for s in slow:
+        s.sendall(start)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+    assert r.status_code == 200
+    for s in slow:
+        head = s.recv(4096)            # blocks until the server answers: its timeout, 3 s
+        assert head.startswith(b"HTTP/1.1 408"), head[:80]
+        s.close()
+    for s in quiet:
+        assert s.recv(10) == b""
+        s.close()
+
+
 @pytest.mark.parametrize("target", ["replica", "gateway"])
 def test_slow_or_silent_heads_time_out_and_others_go_on(stack, target):
     """Connections that send their head a piece at a time, or nothing, are closed once
     --header-timeout passes (408 when a head had begun); meanwhile others are served."""
-    url = stack[target]
-    port = int(url.rsplit(":", 1)[1])
-    slow = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(3)]
-    silent = socket.create_connection(("127.0.0.1", port), timeout=60)
-    for s in slow:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
-    assert r.status_code == 200
-    for s in slow:
-        head = s.recv(4096)            # blocks until the server answers: --header-timeout 3 s
-        assert head.startswith(b"HTTP/1.1 408"), head[:80]
-        s.close()
-    assert silent.recv(10) == b""       # closed without an answer
-    silent.close()
+    trickled_get_408(stack[target], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", silent=1)
 
 
 def test_slow_body_times_out_and_others_go_on(stack):
     """A body that trickles in gets 408 once --body-timeout passes; meanwhile others are served."""
-    url = stack["replica"]
-    port = int(url.rsplit(":", 1)[1])
-    socks = []
-    for _ in range(3):
-        s = socket.create_connection(("127.0.0.1", port), timeout=60)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
-        socks.append(s)
-    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
-    assert r.status_code == 200
-    for s in socks:
-        head = s.recv(4096)            # blocks until the server answers: --body-timeout 3 s
-        assert head.startswith(b"HTTP/1.1 408"), head[:80]
-        s.close()
+    trickled_get_408(stack["replica"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                       b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
