@@ -11,6 +11,7 @@
     python benchmarks/stall_attacks.py --attacks schema,fullbias --streams 32   # accepted bodies through the core pipe
     python benchmarks/stall_attacks.py --attacks prompt,chat --dump /tmp/w.json  # each window's raw chunk times
     python benchmarks/stall_attacks.py --attacks answer,tok --repeat 1   # large valid answers (server RSS too)
+    python benchmarks/stall_attacks.py --attacks head,trailer   # heads and trailers that never end (raw sockets)
 
 For each attack: an innocent client streams a completion (the official
 `openai` client, greedy, ignore_eos) and a poller GETs /health every 20 ms;
@@ -53,6 +54,8 @@ def _json(obj) -> bytes:
 PIPE_ATTACKS = ("schema", "fullbias")
 VALID_ATTACKS = ("answer", "long")       # valid requests whose size is the load: not in the issue's table
 COUNT_ATTACKS = ("msgs", "parts", "mparts")        # bodies under the size cap whose item count is the load
+RAW = ""            # an attack's path when its body is the raw start of a request that never ends
+RAW_ATTACKS = ("head", "trailer")
 
 
 def attacks() -> dict:
@@ -102,6 +105,12 @@ def attacks() -> dict:
                           "n": 8, "max_tokens": 1})),
         "long": ("completion of a fresh 2,905-token prompt", "/v1/completions",
                  _json({"prompt": " ".join(f"term{i % 89}" for i in range(1000)), "max_tokens": 1})),
+        # raw: the request's start, then one header value of 64 MB (server/http_head.py)
+        "head": ("a header that never ends (64 MB)", RAW, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: "),
+        "trailer": ("a chunked body's trailer that never ends (64 MB)", RAW,
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n1e\r\n" + _json({"prompt": "hi", "max_tokens": 2})
+                    + b"\r\n0\r\nX-T: "),
     }
 
 
@@ -163,9 +172,35 @@ def attack_all(url: str, path: str, body: bytes, repeat: int, timeout: float) ->
     return asyncio.run(go())
 
 
+async def raw_attacker(url: str, start: bytes, timeout: float, size: int = 64 << 20) -> tuple[str, float]:
+    """`start`, then `size` bytes of one header value as fast as the server reads them: (the
+    answer's status, or "cut" when the server closed the connection first, seconds until then)."""
+    t0 = time.perf_counter()
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    piece = b"a" * (64 << 10)
+    try:
+        writer.write(start)
+        for _ in range(size // len(piece)):
+            writer.write(piece)
+            await writer.drain()
+        writer.write(b"\r\n\r\n")
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        status = line.split()[1].decode() if line.startswith(b"HTTP/1.1 ") else "cut"
+    except (ConnectionError, asyncio.IncompleteReadError):
+        status = "cut"
+    except asyncio.TimeoutError:
+        status = "timeout"
+    finally:
+        writer.close()
+    return status, time.perf_counter() - t0
+
+
 async def attacker(url: str, path: str, body: bytes, timeout: float) -> tuple[str, float]:
     """(the answer's status or the error's name, seconds until it came)."""
     import httpx
+    if path == RAW:
+        return await raw_attacker(url, body, timeout)
     t0 = time.perf_counter()
     try:
         async with httpx.AsyncClient(timeout=timeout) as c:
@@ -408,12 +443,13 @@ def main() -> None:
     ap.add_argument("--executor", default="torch", choices=["torch", "sim"])
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `shepherd serve` argument (repeat)")
     ap.add_argument("--attacks", default=",".join(a for a in attacks() if a not in PIPE_ATTACKS + VALID_ATTACKS
-                                                  + COUNT_ATTACKS),
+                                                  + COUNT_ATTACKS + RAW_ATTACKS),
                     help="comma list of: " + ",".join(attacks()) + " (default: the issue's table; "
                     + ",".join(PIPE_ATTACKS) + " are accepted bodies that reach the engine core's pipe; "
                     + ",".join(VALID_ATTACKS) + " are valid requests, a large answer and a long prompt, best "
                     "with --repeat 1; " + ",".join(COUNT_ATTACKS) + " are bodies under the size cap made of "
-                    "many small objects)")
+                    "many small objects; " + ",".join(RAW_ATTACKS) + " send a request's head or trailer "
+                    "that never ends, on raw sockets)")
     ap.add_argument("--repeat", type=int, default=10, help="copies of each attack sent at once")
     ap.add_argument("--streams", type=int, default=0, help="more streams flowing beside the innocent one, "
                     "unmeasured (longer engine steps: what a send that waits for the core's next read costs)")
