@@ -122,6 +122,34 @@ def test_completion_stream_format_and_usage(client):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
+def test_stream_continuous_usage_stats(client, tok):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): every chunk carries its
+    choice's usage so far, the chat's opening chunk none made yet; without include_usage, none."""
+    prompt = len(tok.encode("Say hi"))
+    with client.stream("POST", "/v1/completions", json={
+            "prompt": "Say hi", "max_tokens": 5, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        *chunks, last = sse_events(r.read().decode())
+    made = {0: 0, 1: 0}
+    for c in chunks:
+        u, i = c["usage"], c["choices"][0]["index"]
+        assert u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"]
+        assert u["completion_tokens"] > made[i]         # one token a chunk here: it grows with each
+        made[i] = u["completion_tokens"]
+    assert made == {0: 5, 1: 5} and last["usage"]["completion_tokens"] == 10
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        *chunks, last = sse_events(r.read().decode())
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts[0] == 0 and counts[-1] == 4 and counts == sorted(counts)
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {last["usage"]["prompt_tokens"]}
+    with client.stream("POST", "/v1/completions", json={
+            "prompt": "Say hi", "max_tokens": 3, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}) as r:
+        assert all("usage" not in e for e in sse_events(r.read().decode()))
+
+
 def test_completion_return_token_ids(client, tok):
     """vLLM's return_token_ids: the prompt's ids and the answer's (EOS included, as vLLM's), whole
     or as each chunk's delta, so a client can send the next turn as prompt + answer ids."""

@@ -118,33 +118,34 @@ class ChatRoutes:
         call_ids = [tools.new_call_id() for _ in range(n)] if named else [{} for _ in range(n)]
         held = [""] * n
 
-        chunk = sse_chunker("chat.completion.chunk", meta, meta["model"], body.include_usage)
+        chunk = sse_chunker("chat.completion.chunk", meta, meta["model"], body.include_usage, body.continuous_usage)
 
         def on_output(i: int, out):
             if scans is not None:          # auto / required: calls found as the text comes
                 events = scans[i].feed(out.text) + (scans[i].finish() if out.finished else [])
                 for d in self.scanned_deltas(i, events, call_ids[i]):
-                    yield chunk([d])
+                    yield chunk([d], out=out)
                 if out.finished:
                     reason = "tool_calls" if scans[i].calls and out.finish_reason == "stop" else out.finish_reason
                     yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason,
-                                  "stop_reason": out.stop_reason}])
+                                  "stop_reason": out.stop_reason}], out=out)
                 return
             if not out.text and not out.finished and not out.logprobs:
                 return
             if named:
-                yield chunk([self.named_delta(body, i, call_ids[i], held[i] == "", out)])
+                yield chunk([self.named_delta(body, i, call_ids[i], held[i] == "", out)], out=out)
                 held[i] += out.text
                 return
             delta = {"content": out.text} if (out.text or not out.finished) else {}
             yield chunk([{"index": i, "delta": delta,
                           "logprobs": chat_logprobs(ctx.tokstr, out.logprobs) if logprobs is not None else None,
                           "finish_reason": out.finish_reason if out.finished else None,
-                          **({"stop_reason": out.stop_reason} if out.finished else {})}])
+                          **({"stop_reason": out.stop_reason} if out.finished else {})}], out=out)
 
         def usage(completion: int, cached: int):
             return chunk([], usage_dict(meta["prompt_tokens"], completion, cached)) if body.include_usage else None
 
+        opening = usage_dict(meta["prompt_tokens"], 0, 0) if body.continuous_usage else None
         prelude = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}]) for i in range(n)]
+                           "finish_reason": None}], opening) for i in range(n)]
         return sse_events(streams, on_output, usage, prelude)

@@ -217,20 +217,24 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def sse_chunker(obj_type: str, meta: dict, model: str, include_usage: bool):
-    """`chunk(choices, usage=None) -> str`: the SSE `data:` events of one streamed completion or
-    chat completion. The id, object, created and model are the same in every event of a stream,
-    so they are JSON-encoded once here and each event encodes only its choices (and usage): the
-    bytes are exactly `json.dumps` of the whole event dict (same keys, order and separators)."""
+def sse_chunker(obj_type: str, meta: dict, model: str, include_usage: bool, continuous: bool = False):
+    """`chunk(choices, usage=None, out=None) -> str`: the SSE `data:` events of one streamed
+    completion or chat completion. The id, object, created and model are the same in every event
+    of a stream, so they are JSON-encoded once here and each event encodes only its choices (and
+    usage): the bytes are exactly `json.dumps` of the whole event dict (same keys, order and
+    separators). `continuous` (with include_usage): a chunk made from an engine output `out`
+    carries that request's usage so far, as vLLM's continuous_usage_stats."""
     head = (f'data: {{"id": {json.dumps(meta["rid"])}, "object": {json.dumps(obj_type)}, '
             f'"created": {json.dumps(meta["created"])}, "model": {json.dumps(model)}, "choices": ')
     dumps = json.dumps
 
     if include_usage:
-        def chunk(choices: list, usage: Optional[dict] = None) -> str:
+        def chunk(choices: list, usage: Optional[dict] = None, out=None) -> str:
+            if continuous and out is not None:
+                usage = usage_dict(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
             return f'{head}{dumps(choices)}, "usage": {dumps(usage)}}}\n\n'
     else:
-        def chunk(choices: list, usage: Optional[dict] = None) -> str:
+        def chunk(choices: list, usage: Optional[dict] = None, out=None) -> str:
             return f"{head}{dumps(choices)}}}\n\n"
     return chunk
 

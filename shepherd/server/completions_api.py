@@ -95,7 +95,7 @@ class CompletionRoutes:
         late = body.prompt_logprobs_n is not None
         first = [True] * len(echo)
 
-        chunk = sse_chunker("text_completion", meta, meta["model"], body.include_usage)
+        chunk = sse_chunker("text_completion", meta, meta["model"], body.include_usage, body.continuous_usage)
 
         def on_output(i: int, out):
             if not out.text and not out.finished and not out.logprobs and out.prompt_logprobs is None \
@@ -117,12 +117,13 @@ class CompletionRoutes:
                 c["prompt_token_ids"] = prompt_ids[i] if first[i] else None
                 c["token_ids"] = list(out.token_ids)
             first[i] = False
-            yield chunk([c])
+            yield chunk([c], out=out)
 
         def usage(completion: int, cached: int):
             return chunk([], usage_dict(meta["prompt_tokens"], completion, cached)) if body.include_usage else None
 
         prelude = [] if late else [
-            chunk([{"index": i, "text": e, "logprobs": None, "finish_reason": None, "stop_reason": None}])
+            chunk([{"index": i, "text": e, "logprobs": None, "finish_reason": None, "stop_reason": None}],
+                  usage_dict(len(prompt_ids[i]), 0, 0) if body.continuous_usage else None)
             for i, e in enumerate(echo) if e]
         return sse_events(streams, on_output, usage, prelude)

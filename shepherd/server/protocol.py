@@ -176,6 +176,12 @@ class _Sampling(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats (read with include_usage, as vLLM reads it): every chunk
+        carries its choice's usage so far (guidellm asks for it)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
