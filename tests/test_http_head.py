@@ -5,6 +5,7 @@ A real uvicorn on loopback with the protocol `shepherd serve` and `shepherd gate
 sockets, so that a head can be cut, slow or pipelined as no HTTP client would send it."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -34,6 +35,8 @@ async def echo(scope, receive, send):
         n += len(msg.get("body", b""))
         if not msg.get("more_body"):
             break
+    if scope["path"] == "/slow":        # work that outlasts the head timeout
+        await asyncio.sleep(2 * TIMEOUT)
     body = json.dumps({"body": n, "headers": sum(len(k) + len(v) for k, v in scope["headers"])}).encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
@@ -146,6 +149,18 @@ def test_a_slow_or_silent_head_is_closed_after_the_timeout(server):
         assert status == 408 and json.loads(body)["error"]["code"] == "header_timeout"
         assert kept.answer()[0] == 408
         assert silent.recv(10) == b""           # connected, sent nothing: closed without an answer
+
+
+def test_pipelined_requests_outlasting_the_timeout_are_answered(server):
+    """A request queued behind another (its body unread until its turn) is not taken for the rest
+    of an answered one, and its work may outlast the head timeout."""
+    body = b"b" * (1 << 20)     # more than one read: the rest waits, unread, while the first is answered
+    post = b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    with Conn(server) as s:
+        s.sendall(get() + post)
+        answers = [s.answer() for _ in range(2)]
+    assert [a[0] for a in answers] == [200, 200]
+    assert json.loads(answers[1][1])["body"] == len(body)
 
 
 def test_a_body_and_the_next_head_in_one_read_are_not_taken_for_a_long_head(server):

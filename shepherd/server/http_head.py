@@ -55,7 +55,7 @@ def _refusal(status: int, reason: str, body: bytes) -> bytes:
 
 
 def head_bounded(timeout: float = DEFAULT_HEAD_TIMEOUT, max_bytes: int = MAX_HEAD_BYTES):
-    """uvicorn's HTTP protocol class with the module doc's two bounds (uvicorn.Config(http=...))."""
+    """uvicorn's HTTP protocol class with the module doc's bounds (uvicorn.Config(http=...))."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:     # no httptools: uvicorn's h11 protocol, which bounds the size itself
@@ -82,10 +82,12 @@ def head_bounded(timeout: float = DEFAULT_HEAD_TIMEOUT, max_bytes: int = MAX_HEA
         # the bound reaches the app. _in_trailer: a chunk's size line is parsed and none of its
         # data: after the last chunk (size 0) come the trailers, counted in _trailer_bytes the
         # same way. _lingering: the request was answered before all of it arrived; what arrives
-        # after is dropped, counted in _linger_bytes.
+        # after is dropped, counted in _linger_bytes. The timer runs only while no answer is
+        # being sent (a pipelined head's starts when the answer before it ends), so what it
+        # writes never lands inside another answer.
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._in_head = self._in_trailer = self._in_message = self._lingering = False
+            self._in_head = self._in_trailer = self._lingering = False
             self._head_bytes = self._trailer_bytes = self._linger_bytes = 0
             self._timer = None
             self._timer_on()
@@ -112,14 +114,17 @@ def head_bounded(timeout: float = DEFAULT_HEAD_TIMEOUT, max_bytes: int = MAX_HEA
                 if self._linger_bytes > LINGER_BYTES:
                     self._refuse(b"")
 
+        def _answering(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_head, self._head_bytes, self._trailer_bytes = True, 0, 0
-            if self._timer is None:    # a later request: from its first byte
+            if self._timer is None and not self._answering():    # a later request: from its first byte
                 self._timer_on()
 
         def on_headers_complete(self) -> None:
-            self._in_head, self._in_message = False, True
+            self._in_head = False
             self._timer_off()
             if len(self.url) + sum(len(k) + len(v) for k, v in self.headers) <= max_bytes:
                 return super().on_headers_complete()
@@ -142,19 +147,26 @@ def head_bounded(timeout: float = DEFAULT_HEAD_TIMEOUT, max_bytes: int = MAX_HEA
 
         def on_message_complete(self) -> None:
             answered = self._lingering
-            self._in_message = self._in_trailer = self._lingering = False
+            self._in_trailer = self._lingering = False
             self._timer_off()
             super().on_message_complete()
             if answered:            # idle now, and uvicorn's keep-alive timer was spent on the rest
                 self._timer_on()
 
         def on_response_complete(self) -> None:
+            # with no request queued behind it, self.cycle is the one just answered: its body
+            # still coming (more_body) means it was answered early (a refused body)
+            rest = not self.pipeline and self.cycle.more_body
             super().on_response_complete()
-            if self._in_message and not self.transport.is_closing():
-                # answered before the request was all read (a refused body): the rest is read and
-                # dropped, as an HTTP/1.1 server must to reach the next request, but not for ever
+            if self.transport.is_closing():
+                return
+            if rest:
+                # the rest is read and dropped, as an HTTP/1.1 server must to reach the next
+                # request, but not for ever
                 self._lingering, self._linger_bytes = True, 0
                 self._timer_off()
+                self._timer_on()
+            elif self._in_head and self._timer is None:     # a pipelined head: from now
                 self._timer_on()
 
         def _timer_on(self) -> None:
@@ -172,10 +184,11 @@ def head_bounded(timeout: float = DEFAULT_HEAD_TIMEOUT, max_bytes: int = MAX_HEA
             self._refuse(too_slow if self._in_head else b"")
 
         def _refuse(self, answer: bytes) -> None:
+            answering = self._answering()      # a pipelined head past the bound: no answer inside another
             self._in_head = self._in_trailer = self._lingering = False
             self._timer_off()
             if not self.transport.is_closing():
-                if answer:
+                if answer and not answering:
                     self.transport.write(answer)
                 self.transport.close()
 
