@@ -15,7 +15,6 @@ import argparse
 import logging
 import os
 import sys
-from typing import Optional
 
 from shepherd.config import INF, check_ranges
 from shepherd.routing import POLICY_NAMES, make_policy, parse_knobs, policy_knobs
