@@ -1,8 +1,10 @@
-"""Every request's line and headers are bounded in bytes and time before the app sees them
-(server/http_head.py): uvicorn with httptools read a 100 MB header whole (answered 200, the event
-loop held for seconds) and kept a connection that sends its head a byte at a time open for ever.
-A real uvicorn on loopback with the protocol `shepherd serve` and `shepherd gateway` run; raw
-sockets, so that a head can be cut, slow or pipelined as no HTTP client would send it."""
+"""What uvicorn reads outside the app's sight is bounded in bytes and time (server/http_head.py):
+a request's line and headers, a chunked body's trailers, the rest of a request answered before it
+all arrived. uvicorn with httptools read a 100 MB header whole (answered 200, the event loop held
+for seconds), kept a connection that sends its head a byte at a time open for ever, and read a
+refused body for as long as it came. A real uvicorn on loopback with the protocol `shepherd serve`
+and `shepherd gateway` run; raw sockets, so that a request can be cut, slow or pipelined as no
+HTTP client would send it."""
 from __future__ import annotations
 
 import asyncio
