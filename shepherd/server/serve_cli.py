@@ -13,11 +13,10 @@ import socket
 import sys
 from typing import Optional
 
-from shepherd.server.http_head import DEFAULT_HEAD_TIMEOUT, MAX_HEAD_BYTES, head_bounded
-
 from shepherd.config import (ADAPTER_POLICIES, ADMISSION_MODES, INF, POLICIES, PREEMPTION_MODES, VICTIMS, VTC_UNITS,
                              ConfigError, EngineConfig, KVEventsConfig, LoraConfig, SchedulerConfig, ServerConfig,
                              SERVE_PREFILL_MS, SpeculativeConfig, check_ranges)
+from shepherd.server.http_head import DEFAULT_HEAD_TIMEOUT, MAX_HEAD_BYTES, head_bounded
 
 EXIT_CONFIG = 2
 
