@@ -13,14 +13,13 @@ import os
 import socket
 import sys
 
+import httpx
 import pytest
 
 from shepherd.server.http_head import LINGER_BYTES, MAX_HEAD_BYTES, head_bounded
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gateway_fakes import ServerThread  # noqa: E402
-
-pytest.importorskip("httptools")        # a dependency of shepherd; without it uvicorn's h11 bounds heads itself
 
 TIMEOUT = 1.0
 
@@ -206,6 +205,8 @@ def test_the_rest_of_a_refused_body_is_read_within_bounds(server):
         assert s.answer()[0] == 413
         s.sendall(get())                # and the connection goes on
         assert s.answer()[0] == 200
+    # a third-party client that sends it all before reading (httpx, which the openai client uses)
+    assert httpx.post(server.url + "/refuse", content=body, timeout=30).status_code == 413
     with Conn(server) as s:             # the rest trickles: closed once the timeout passes
         s.sendall(b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nbb")
         assert s.answer()[0] == 413

@@ -26,9 +26,8 @@ three with no bound, before or after any ASGI code (guard.py's door) runs:
   it reads needs to see the answer, for at most LINGER_BYTES and `timeout`
   seconds; then the connection is closed.
 
-The ASGI app never sees the refused heads. h11, uvicorn's fallback without
-httptools, refuses heads over 16 KiB itself (400); there the other bounds
-are missing, and shepherd depends on httptools.
+The ASGI app never sees the refused heads. shepherd depends on httptools, so
+uvicorn never falls back to h11 (which bounds a head at 16 KiB but not in time).
 """
 from __future__ import annotations
 
@@ -56,23 +55,19 @@ def _refusal(status: int, reason: str, body: bytes) -> bytes:
 
 def head_bounded(timeout: float = DEFAULT_HEAD_TIMEOUT, max_bytes: int = MAX_HEAD_BYTES):
     """uvicorn's HTTP protocol class with the module doc's bounds (uvicorn.Config(http=...))."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:     # no httptools: uvicorn's h11 protocol, which bounds the size itself
-        return "auto"
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from shepherd.server.guard import answer
     large_body = _refusal_body(f"the request's URL and headers are larger than {max_bytes} bytes",
                                "header_too_large")
     too_large = _refusal(431, "Request Header Fields Too Large", large_body)
     too_slow = _refusal(408, "Request Timeout", _refusal_body(
         f"the request's line and headers did not arrive within {timeout:g} s (--header-timeout)", "header_timeout"))
-    large_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(large_body)).encode()),
-                     (b"connection", b"close")]
 
     async def answer_too_large(scope, receive, send) -> None:
         # a head that arrived whole in one read and is over the bound: answered through uvicorn's
         # own cycle (the parser is inside its callback; the connection closes after the answer)
-        await send({"type": "http.response.start", "status": 431, "headers": large_headers})
-        await send({"type": "http.response.body", "body": large_body})
+        await answer(send, 431, large_body, [(b"connection", b"close")])
 
     class HeadBounded(HttpToolsProtocol):
         # What each count covers. _in_head: a head's first byte is parsed and its last is not;
